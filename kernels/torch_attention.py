@@ -1,0 +1,145 @@
+"""Torch reference paged attention: the CPU engine's path and the Triton kernels' oracle.
+
+Sequences with few new tokens (decode, speculative verify) are attended as one padded batch;
+each long prefill chunk is attended on its own so that a 512-token chunk never pads 31 decode
+rows up to 512 queries. Grouped-query attention folds each KV head's query heads into the query
+length (`[B, kv_heads, q_len * group, D]`), so K/V are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_backend import AttentionBackend, write_kv
+from kernels.attention_metadata import AttentionMetadata
+
+# Sequences with at most this many new tokens share the padded batch.
+BATCHED_MAX_QUERY = 16
+
+
+@dataclass
+class _BatchedGroup:
+    token_index: torch.Tensor  # [B, q_max] flat token index (padding points at token 0)
+    valid: torch.Tensor  # [B, q_max] bool
+    block_table: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, q_max, 1, ctx_max] bool: query may see key
+    ctx_max: int
+
+
+@dataclass
+class _SingleSeq:
+    start: int
+    q_len: int
+    ctx: int
+    block_table: torch.Tensor  # [num_blocks]
+    mask: torch.Tensor | None  # [q_len, 1, ctx] bool, None when q_len == 1
+
+
+def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
+    """Query i (absolute position ctx - q_len + i) sees keys 0..ctx - q_len + i."""
+    q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+    k_pos = torch.arange(ctx, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        starts = [0]
+        for q in meta.query_lens:
+            starts.append(starts[-1] + q)
+        batched = [i for i, q in enumerate(meta.query_lens) if q <= BATCHED_MAX_QUERY]
+        singles = [i for i, q in enumerate(meta.query_lens) if q > BATCHED_MAX_QUERY]
+        state: dict = {"batched": None, "singles": []}
+        dev = meta.device
+        if batched:
+            q_max = max(meta.query_lens[i] for i in batched)
+            ctx_max = max(meta.context_lens[i] for i in batched)
+            blocks_max = (ctx_max + meta.block_size - 1) // meta.block_size
+            token_index = torch.zeros((len(batched), q_max), dtype=torch.long)
+            valid = torch.zeros((len(batched), q_max), dtype=torch.bool)
+            table = torch.zeros((len(batched), blocks_max), dtype=torch.long)
+            mask = torch.zeros((len(batched), q_max, ctx_max), dtype=torch.bool)
+            for row, i in enumerate(batched):
+                q_len, ctx = meta.query_lens[i], meta.context_lens[i]
+                token_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
+                valid[row, :q_len] = True
+                used = meta.block_tables[i][: (ctx + meta.block_size - 1) // meta.block_size]
+                table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+                mask[row, :q_len, :ctx] = _causal_mask(q_len, ctx, torch.device("cpu"))
+                # Padding query rows see key 0 so softmax stays finite; their output is dropped.
+                mask[row, q_len:, 0] = True
+            state["batched"] = _BatchedGroup(
+                token_index=token_index.to(dev),
+                valid=valid.to(dev),
+                block_table=table.to(dev),
+                mask=mask[:, None, :, None, :].to(dev),
+                ctx_max=ctx_max,
+            )
+        for i in singles:
+            q_len, ctx = meta.query_lens[i], meta.context_lens[i]
+            n_blocks = (ctx + meta.block_size - 1) // meta.block_size
+            state["singles"].append(
+                _SingleSeq(
+                    start=starts[i],
+                    q_len=q_len,
+                    ctx=ctx,
+                    block_table=torch.tensor(meta.block_tables[i][:n_blocks], device=dev),
+                    mask=_causal_mask(q_len, ctx, dev)[:, None, :],
+                )
+            )
+        meta.backend_state["torch"] = state
+
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
+        if "torch" not in meta.backend_state:
+            self.prepare(meta)
+        write_kv(k, v, key_cache, value_cache, meta)
+        state = meta.backend_state["torch"]
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = key_cache.shape[2]
+        group = num_heads // kv_heads
+        out = torch.empty_like(q)
+        batched: _BatchedGroup | None = state["batched"]
+        if batched is not None:
+            bsz, q_max = batched.token_index.shape
+            keys = _gather(key_cache, batched.block_table, batched.ctx_max)  # [B, Hkv, L, D]
+            values = _gather(value_cache, batched.block_table, batched.ctx_max)
+            queries = q[batched.token_index].view(bsz, q_max, kv_heads, group, head_dim)
+            queries = queries.permute(0, 2, 1, 3, 4).reshape(bsz, kv_heads, q_max * group, head_dim)
+            mask = batched.mask.expand(bsz, 1, q_max, group, batched.ctx_max).reshape(
+                bsz, 1, q_max * group, batched.ctx_max
+            )
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale
+            )
+            attn = attn.view(bsz, kv_heads, q_max, group, head_dim).permute(0, 2, 1, 3, 4)
+            attn = attn.reshape(bsz, q_max, num_heads, head_dim)
+            out[batched.token_index[batched.valid]] = attn[batched.valid]
+        for seq in state["singles"]:
+            keys = _gather(key_cache, seq.block_table[None], seq.ctx)
+            values = _gather(value_cache, seq.block_table[None], seq.ctx)
+            queries = q[seq.start : seq.start + seq.q_len].view(
+                seq.q_len, kv_heads, group, head_dim
+            )
+            queries = queries.permute(1, 0, 2, 3).reshape(1, kv_heads, seq.q_len * group, head_dim)
+            mask = seq.mask.expand(seq.q_len, group, seq.ctx).reshape(
+                1, 1, seq.q_len * group, seq.ctx
+            )
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale
+            )
+            attn = attn.view(kv_heads, seq.q_len, group, head_dim).permute(1, 0, 2, 3)
+            out[seq.start : seq.start + seq.q_len] = attn.reshape(seq.q_len, num_heads, head_dim)
+        return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, blocks] block ids -> [B, kv_heads, length, head_dim] contiguous keys or values."""
+    bsz, n_blocks = block_table.shape
+    _, block_size, kv_heads, head_dim = cache.shape
+    gathered = cache[block_table].view(bsz, n_blocks * block_size, kv_heads, head_dim)
+    return gathered[:, :length].transpose(1, 2).to(torch.float32)

@@ -1,0 +1,53 @@
+"""Knobs of one engine instance (one replica's model, cache and step loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.model.linear import WEIGHT_FORMATS, WeightFormat
+
+Role = Literal["prefill", "decode", "both"]
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2
+    weights: WeightFormat = "fp32"
+    role: Role = "both"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
+    host_cache_bytes: int = 0  # second tier; 0 disables it
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0  # third tier; needs a host tier and a directory
+    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # defaults to the model's context length
+    preemption_mode: PreemptionMode = "recompute"
+    num_threads: int | None = None
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}"
+            )
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and self.host_cache_bytes <= 0:
+            raise ValueError("preemption_mode 'swap' needs host_cache_bytes > 0")
+        if self.disk_cache_bytes > 0 and (self.host_cache_bytes <= 0 or not self.disk_cache_dir):
+            raise ValueError("a disk cache tier needs host_cache_bytes > 0 and disk_cache_dir")

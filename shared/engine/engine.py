@@ -1,0 +1,272 @@
+"""The engine: `step()` is schedule -> run -> postprocess, over one model and one KV pool."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.output import RequestOutput, TextTracker, TokenLogprob
+from shared.engine.runner import ModelRunner, StepResult
+from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.sequence import SeqStatus, Sequence
+from shared.kvcache.block_manager import BlockManager
+from shared.kvcache.disk_tier import DiskTier
+from shared.kvcache.pool import KVPool
+from shared.kvcache.tiers import HostTier
+from shared.model.llama import LlamaModel
+from shared.model.loader import load_model
+from shared.sampling.batch import make_generator
+from shared.sampling.params import SamplingParamError, SamplingParams
+from shared.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.tokenizer.tokenizer import Tokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; `param` names the offending parameter."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel | None = None,
+        tokenizer: Tokenizer | None = None,
+        event_sink=None,
+    ):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = model or load_model(config.model, config.weights, config.device)
+        self.tokenizer = tokenizer
+        model_cfg = self.model.config
+        self.max_model_len = min(
+            config.max_model_len or model_cfg.max_position, model_cfg.max_position
+        )
+        layout = self.model.kv_layout(config.block_size)
+        if config.num_blocks is not None:
+            self.pool = KVPool(layout, config.num_blocks, config.device)
+        else:
+            self.pool = KVPool.from_budget(layout, config.kv_cache_bytes, config.device)
+        host = None
+        if config.host_cache_bytes > 0:
+            disk = None
+            if config.disk_cache_bytes > 0 and config.disk_cache_dir:
+                disk = DiskTier(
+                    config.disk_cache_dir, max(1, config.disk_cache_bytes // layout.block_bytes)
+                )
+            host = HostTier(
+                max(1, config.host_cache_bytes // layout.block_bytes),
+                layout.block_shape,
+                layout.dtype,
+                disk,
+            )
+        salt = (tokenizer.fingerprint if tokenizer else repr(model_cfg)).encode()
+        self.blocks = BlockManager(
+            self.pool.num_blocks,
+            config.block_size,
+            salt=salt,
+            host_tier=host,
+            pool=self.pool,
+            event_sink=event_sink,
+        )
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
+        self.sequences: dict[str, Sequence] = {}
+        self._text: dict[str, TextTracker] = {}
+        self._prompt_logprobs: dict[str, list[float | None]] = {}
+        self._ids = itertools.count()
+        self.stop_token_ids: frozenset[int] = tokenizer.stop_token_ids if tokenizer else frozenset()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 1,
+        prompt_logprobs: bool = False,
+        keep_kv: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise RequestError("request_id", f"request id '{request_id}' is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            generator=make_generator(params.seed, self.config.device),
+            keep_kv=keep_kv,
+            max_new_tokens=max_new_tokens,
+        )
+        self.sequences[request_id] = seq
+        if self.tokenizer is not None:
+            self._text[request_id] = TextTracker(
+                IncrementalDetokenizer(self.tokenizer), params.stop
+            )
+        if prompt_logprobs:
+            self._prompt_logprobs[request_id] = [None]  # the first token has no context
+        self.scheduler.add(seq)
+        return request_id
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise RequestError("prompt", "the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"the prompt has {n} tokens; this model's context window is {self.max_model_len} "
+                "tokens (prompt + at least one output token)",
+            )
+        try:
+            params.validate()
+        except SamplingParamError as exc:
+            raise RequestError(exc.param, str(exc)) from exc
+        total_blocks = self.blocks.blocks_needed(min(n + params.max_tokens, self.max_model_len))
+        if total_blocks > self.blocks.num_blocks:
+            raise RequestError(
+                "max_tokens",
+                f"prompt + max_tokens needs {total_blocks} KV blocks but this replica has only "
+                f"{self.blocks.num_blocks}",
+            )
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        if seq.table is not None:  # a finished prefill kept for hand-off
+            self.scheduler.release_kv(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+        self._text.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Free the KV a finished `keep_kv` request still holds (after it was transferred)."""
+        self.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan: SchedulerOutput = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        want = {
+            i for i, s in enumerate(plan.scheduled) if s.seq.request_id in self._prompt_logprobs
+        }
+        result = self.runner.run(plan.scheduled, want)
+        return self._postprocess(plan, result)
+
+    def _postprocess(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        for index, item in enumerate(plan.scheduled):
+            seq = item.seq
+            if index in result.prompt_logprobs:
+                self._prompt_logprobs[seq.request_id].extend(result.prompt_logprobs[index])
+            seq.num_computed_tokens += item.num_tokens
+            self.blocks.commit_full_blocks(seq.table, seq.token_ids[: seq.num_computed_tokens])
+        if result.samples is not None:
+            token_ids = result.samples.token_ids.tolist()
+            chosen = result.samples.logprobs.tolist()
+            top = result.samples.top_logprobs
+            top_ids = top.token_ids.tolist() if top is not None else None
+            top_lps = top.logprobs.tolist() if top is not None else None
+            for row, item in enumerate(result.sampled):
+                seq = item.seq
+                logprob = None
+                if seq.params.logprobs is not None:
+                    n = seq.params.logprobs
+                    pairs = (
+                        list(zip(top_ids[row][:n], top_lps[row][:n], strict=True))
+                        if top_ids
+                        else []
+                    )
+                    logprob = TokenLogprob(token_ids[row], chosen[row], pairs)
+                outputs[seq.request_id] = self._append_token(seq, token_ids[row], logprob)
+        return list(outputs.values())
+
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            logprobs=[logprob] if logprob else [],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+        if seq.request_id in self._prompt_logprobs and len(seq.output_token_ids) == 1:
+            out.prompt_logprobs = self._prompt_logprobs.pop(seq.request_id)
+        reason = None
+        tracker = self._text.get(seq.request_id)
+        is_stop_token = token in seq.params.stop_token_ids or (
+            not seq.params.ignore_eos and token in self.stop_token_ids
+        )
+        if tracker is not None and not is_stop_token:
+            out.text, hit_stop = tracker.feed([token])
+            if hit_stop:
+                reason = "stop"
+        if is_stop_token:
+            reason = "stop"
+        elif reason is None and (
+            len(seq.output_token_ids) >= seq.output_limit or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            if tracker is not None and not (reason == "stop" and not is_stop_token):
+                out.text += tracker.finish()
+            out.finished, out.finish_reason = True, reason
+            self._finish(seq, reason)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._text.pop(seq.request_id, None)
+        if not seq.keep_kv:
+            self.sequences.pop(seq.request_id, None)
+
+    # -- conveniences --------------------------------------------------------------------
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        while self.has_work:
+            yield from self.step()
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's output token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for out in self.run_until_done():
+            results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]
+
+
+def default_num_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 16))

@@ -1,0 +1,164 @@
+"""Continuous batching with chunked prefill, priorities and preemption.
+
+Each step spends a token budget: running sequences first (a decode costs one token, a prompt
+in the middle of its prefill costs a chunk), then waiting ones in priority order. A long prompt
+is cut into chunks so it never stalls the decodes sharing its steps. When blocks run out the
+least important running sequence is preempted — swapped to host memory, or freed so that its
+committed blocks stay in the prefix cache and it resumes by recomputing only what was lost.
+The scheduler decides; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.config import EngineConfig
+from shared.engine.sequence import SeqStatus, Sequence
+from shared.kvcache.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed for this sequence in this step
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step the sequence's KV covers every token: its next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give back its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.swapped is not None:
+            self.blocks.discard_swapped(seq.swapped)
+            seq.swapped = None
+        if seq.table is not None and not seq.keep_kv:
+            self.release_kv(seq)
+
+    def release_kv(self, seq: Sequence) -> None:
+        if seq.table is not None:
+            self.blocks.free(seq.table)
+            seq.table = None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        queue = sorted(self.running, key=Sequence.sort_key)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_pending_tokens, budget)
+            if self._grow(seq, n, queue, out):
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        if out.preempted:
+            return out  # under memory pressure, admit nobody new this step
+        for seq in sorted(self.waiting, key=Sequence.sort_key):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._admit(seq, out):
+                break  # strict priority order: nobody overtakes a blocked sequence
+            n = min(seq.num_pending_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _grow(self, seq: Sequence, n: int, queue: list[Sequence], out: SchedulerOutput) -> bool:
+        """Make room for n more tokens, preempting the least important others if needed."""
+        assert seq.table is not None, f"running sequence {seq.request_id} has no blocks"
+        target = max(seq.table.num_tokens, seq.num_computed_tokens + n)
+        while not self.blocks.append_slots(seq.table, target):
+            if queue:
+                self._preempt(queue.pop(), out)
+            else:
+                self._preempt(seq, out)
+                return False
+        return True
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        while True:
+            if self._try_allocate(seq):
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SeqStatus.RUNNING
+                return True
+            victim = self._lower_priority_victim(seq, out)
+            if victim is None:
+                return False
+            self._unschedule(victim, out)
+            self._preempt(victim, out)
+
+    def _try_allocate(self, seq: Sequence) -> bool:
+        if seq.swapped is not None:
+            table = self.blocks.swap_in(seq.swapped)
+            if table is None:
+                return False
+            seq.table, seq.swapped = table, None
+            return True
+        allocation = self.blocks.allocate(seq.token_ids)
+        if allocation is None:
+            return False
+        seq.table = allocation.table
+        seq.num_computed_tokens = allocation.num_cached_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
+        return True
+
+    def _lower_priority_victim(self, seq: Sequence, out: SchedulerOutput) -> Sequence | None:
+        candidates = [r for r in self.running if r.priority > seq.priority]
+        return max(candidates, key=Sequence.sort_key) if candidates else None
+
+    def _unschedule(self, victim: Sequence, out: SchedulerOutput) -> None:
+        out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        assert seq.table is not None
+        seq.num_preemptions += 1
+        swapped = None
+        if self.config.preemption_mode == "swap":
+            swapped = self.blocks.swap_out(seq.table)
+        if swapped is not None:
+            seq.swapped = swapped  # KV kept whole: resumes exactly where it was
+        else:
+            self.blocks.free(seq.table)  # committed blocks stay cached; the rest is recomputed
+            seq.num_computed_tokens = 0
+        seq.table = None
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        seq.status = SeqStatus.WAITING
+        out.preempted.append(seq)

@@ -1,0 +1,69 @@
+"""A request as the engine sees it: tokens, progress through prefill, and its KV blocks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from shared.kvcache.tables import BlockTable, SwappedBlocks
+from shared.sampling.params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted and waiting to resume
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Smaller runs first (tiers map onto it: priority 0, default 1, flex 2, batch 3).
+    priority: int = 1
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    table: BlockTable | None = None
+    swapped: SwappedBlocks | None = None
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    # Keep the KV after finishing (prefill role: it is handed to a decode replica).
+    keep_kv: bool = False
+    max_new_tokens: int | None = None  # overrides params.max_tokens (prefill role: 1)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not yet computed (prompt chunks, or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def output_limit(self) -> int:
+        return self.max_new_tokens if self.max_new_tokens is not None else self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,184 @@
+"""Read a Llama-family GGUF: its hyper-parameters and its tensors, dequantized to fp32.
+
+llama.cpp's converter permutes the rows of Q and K so that RoPE rotates adjacent pairs; we undo
+that here so GGUF and Hugging Face checkpoints share one model (rotate-half RoPE) and one layout.
+Q4_1 tensors also keep their raw blocks, so the int4 path can reuse the file's own quantization
+instead of re-quantizing already-quantized weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.model.config import ModelConfig, ModelFileError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+
+# GGUF tensor names -> our names (per layer `blk.{i}.` prefix).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_norm.weight": "post_attention_norm",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+}
+
+
+@dataclass
+class Checkpoint:
+    """Weights by our own names, each an fp32 tensor with PyTorch's [out, in] layout."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    source: str
+    # Name -> (uint8 blocks [out, in/32, 20]) for Q4_1 tensors, already un-permuted.
+    q4_1_blocks: dict[str, np.ndarray] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)
+
+
+def _field_value(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # older gguf versions lack contents(); fall back to raw parts
+        return f.parts[f.data[0]].tolist()[0] if f.data else None
+
+
+def _require(reader, path: str, key: str):
+    value = _field_value(reader, key)
+    if value is None:
+        raise ModelFileError(path, f"GGUF metadata key '{key}' is missing")
+    return value
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
+
+
+def read_gguf(path: str | os.PathLike) -> Checkpoint:
+    import gguf  # imported here: loading HF checkpoints must not need it
+
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ModelFileError(path, "model file does not exist")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
+        raise ModelFileError(
+            path, f"not a readable GGUF file (truncated or corrupt?): {exc}"
+        ) from exc
+
+    arch = _require(reader, path, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(
+            path,
+            f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+        )
+    n_heads = int(_require(reader, path, f"{arch}.attention.head_count"))
+    n_kv = int(_field_value(reader, f"{arch}.attention.head_count_kv") or n_heads)
+    hidden = int(_require(reader, path, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field_value(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    if vocab is None:
+        raise ModelFileError(path, "cannot tell the vocabulary size")
+    config = ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, path, f"{arch}.feed_forward_length")),
+        num_layers=int(_require(reader, path, f"{arch}.block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        rope_theta=float(_field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
+        rms_norm_eps=float(_require(reader, path, f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_position=int(_field_value(reader, f"{arch}.context_length") or 2048),
+        tie_embeddings="output.weight" not in names,
+    )
+
+    tensors: dict[str, torch.Tensor] = {}
+    q4_1: dict[str, np.ndarray] = {}
+    file_size = os.path.getsize(path)
+    for t in reader.tensors:
+        type_name = t.tensor_type.name
+        if type_name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelFileError(
+                path,
+                f"tensor '{t.name}' has unsupported type {type_name} "
+                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})",
+            )
+        if t.data_offset + t.n_bytes > file_size:
+            raise ModelFileError(path, f"file is truncated inside tensor '{t.name}'")
+        name = _our_name(t.name)
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        heads = n_heads if name.endswith("q_proj") else n_kv if name.endswith("k_proj") else 0
+        if heads:
+            weight = unpermute_rope_rows(weight, heads)
+        tensors[name] = weight
+        if type_name == "Q4_1":
+            blocks = np.asarray(t.data).reshape(shape[0], -1, 20)
+            if heads:
+                blocks = unpermute_rope_rows(torch.from_numpy(blocks.copy()), heads).numpy()
+            q4_1[name] = blocks
+    _check_complete(path, config, tensors)
+    meta = {k: _field_value(reader, k) for k in ("general.name", "general.file_type")}
+    return Checkpoint(config=config, tensors=tensors, source=path, q4_1_blocks=q4_1, metadata=meta)
+
+
+def _our_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "embed_tokens"
+    if gguf_name == "output_norm.weight":
+        return "norm"
+    if gguf_name == "output.weight":
+        return "lm_head"
+    if gguf_name.startswith("blk."):
+        _, layer, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"layers.{layer}.{_LAYER_NAMES[rest]}"
+    return None  # e.g. rope_freqs: recomputed from the theta
+
+
+def expected_tensor_names(config: ModelConfig) -> list[str]:
+    names = ["embed_tokens", "norm"] + ([] if config.tie_embeddings else ["lm_head"])
+    for i in range(config.num_layers):
+        names += [f"layers.{i}.{n}" for n in _LAYER_NAMES.values()]
+    return names
+
+
+def _check_complete(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    missing = [n for n in expected_tensor_names(config) if n not in tensors]
+    if missing:
+        raise ModelFileError(path, f"missing tensors: {', '.join(missing[:5])}")

@@ -1,0 +1,149 @@
+"""A Llama-family decoder over the paged KV cache.
+
+Plain tensors and functions rather than nn.Modules: the forward pass is the hot loop of a
+2-core CPU server, and every avoided indirection is time. Q/K/V and gate/up are fused into one
+matmul each (fewer, larger kernel calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_backend import AttentionBackend
+from kernels.attention_metadata import AttentionMetadata
+from kernels.torch_attention import TorchPagedAttention
+from shared.kvcache.pool import KVLayout, KVPool
+from shared.model.config import ModelConfig
+from shared.model.gguf_file import Checkpoint
+from shared.model.linear import Linear, WeightFormat, fuse_q4_1, fuse_rows
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    post_attention_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class RotaryEmbedding:
+    """Rotate-half RoPE with cos/sin tables precomputed for every position."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int, device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos().to(torch.float32).to(device)
+        self.sin = angles.sin().to(torch.float32).to(device)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        weights: WeightFormat = "fp32",
+        device: str | torch.device = "cpu",
+        attention: AttentionBackend | None = None,
+    ):
+        cfg = checkpoint.config
+        self.config: ModelConfig = cfg
+        self.weights = weights
+        self.device = torch.device(device)
+        self.attention = attention or TorchPagedAttention()
+        t = checkpoint.tensors
+        blocks = checkpoint.q4_1_blocks
+        dev = self.device
+        self.embed_tokens = t["embed_tokens"].to(dev)
+        self.norm = t["norm"].to(dev)
+        head = t.get("lm_head", t["embed_tokens"])
+        self.lm_head = Linear(head.to(dev), weights, blocks.get("lm_head"))
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            qkv_names = [p + "q_proj", p + "k_proj", p + "v_proj"]
+            gate_up_names = [p + "gate_proj", p + "up_proj"]
+            self.layers.append(
+                _Layer(
+                    input_norm=t[p + "input_norm"].to(dev),
+                    qkv=Linear(
+                        fuse_rows([t[n] for n in qkv_names]).to(dev),
+                        weights,
+                        fuse_q4_1([blocks.get(n) for n in qkv_names]),
+                    ),
+                    o_proj=Linear(t[p + "o_proj"].to(dev), weights, blocks.get(p + "o_proj")),
+                    post_attention_norm=t[p + "post_attention_norm"].to(dev),
+                    gate_up=Linear(
+                        fuse_rows([t[n] for n in gate_up_names]).to(dev),
+                        weights,
+                        fuse_q4_1([blocks.get(n) for n in gate_up_names]),
+                    ),
+                    down=Linear(t[p + "down_proj"].to(dev), weights, blocks.get(p + "down_proj")),
+                )
+            )
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, dev)
+        self.scale = cfg.head_dim**-0.5
+
+    def kv_layout(self, block_size: int, dtype: torch.dtype = torch.float32) -> KVLayout:
+        c = self.config
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype)
+
+    @property
+    def weight_bytes_per_token_step(self) -> int:
+        """Bytes of weights one batch-1 decode step reads (embedding row lookup excluded)."""
+        per_layer = [
+            lyr.qkv.nbytes_per_call
+            + lyr.o_proj.nbytes_per_call
+            + lyr.gate_up.nbytes_per_call
+            + lyr.down.nbytes_per_call
+            for lyr in self.layers
+        ]
+        return sum(per_layer) + self.lm_head.nbytes_per_call
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
+        """input_ids [tokens] -> final-norm hidden states [tokens, hidden]."""
+        cfg = self.config
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = self.rope.tables(meta.positions())
+        self.attention.prepare(meta)
+        x = self.embed_tokens[input_ids]
+        n = x.shape[0]
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(h)
+            q = qkv[:, : hq * d].view(n, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
+            attn = self.attention.forward(
+                q, k, v, kv.key_cache(index), kv.value_cache(index), meta, self.scale
+            )
+            x = x + layer.o_proj(attn.reshape(n, hq * d))
+            h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
+            gate_up = layer.gate_up(h)
+            inter = cfg.intermediate_size
+            x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
