@@ -67,7 +67,7 @@ class ModelRunner:
         return StepResult(sampled=sampled, samples=samples, prompt_logprobs=prompt_logprobs)
 
     def _chunk_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, end: int) -> list[float]:
-        """log p(token[i+1] | tokens[..i]) for each position i of this chunk with a known successor."""
+        """log p(token[i+1] | tokens[..i]) for chunk positions i whose successor is known."""
         seq = item.seq
         start = seq.num_computed_tokens
         positions = [

@@ -92,6 +92,9 @@ class Scheduler:
             if not self._admit(seq, out):
                 break  # strict priority order: nobody overtakes a blocked sequence
             n = min(seq.num_pending_tokens, budget)
+            target = max(seq.table.num_tokens, seq.num_computed_tokens + n)
+            if not self.blocks.append_slots(seq.table, target):
+                break  # admitted (its KV is back) but no room to grow yet: next step's _grow
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out

