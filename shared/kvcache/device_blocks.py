@@ -91,7 +91,7 @@ class DeviceBlocks:
         """``count`` unregistered blocks with one reference each; caller checked availability."""
         if count > self.num_available:
             raise KVIntegrityError(f"asked for {count} blocks, only {self.num_available} available")
-        # Victims are chosen before anything changes: if spilling fails, no block is lost.
+        # Victims are chosen before anything changes: if spilling raises, they stay cached.
         victims = list(islice(self._idle, max(0, count - len(self._free))))
         if victims:
             hashes = [self._hash_of(b) for b in victims]

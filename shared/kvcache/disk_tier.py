@@ -68,9 +68,13 @@ class DiskTier:
         payload = _as_bytes(data.detach().to("cpu").contiguous()).numpy()
         # No fsync: this is a cache for this process's lifetime; atomic rename is what
         # readers rely on, durability across a crash is not needed.
-        with open(tmp, "wb") as f:
-            f.write(memoryview(payload))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(payload))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         self._lru[block_hash] = None
         self.stats.stored_blocks += 1
         self.stats.bytes_written += payload.nbytes

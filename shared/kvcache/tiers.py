@@ -11,6 +11,7 @@ the LRU (never evicted) until released, and count against the same memory budget
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Literal
@@ -23,6 +24,8 @@ from shared.kvcache.stats import TierStats
 from shared.kvcache.tables import KVIntegrityError
 
 __all__ = ["DiskTier", "HostTier"]
+
+_log = logging.getLogger(__name__)
 
 
 class HostTier:
@@ -90,8 +93,13 @@ class HostTier:
         victim, slot = self._lru.popitem(last=False)
         self.stats.evicted_blocks += 1
         if self.disk is not None:
-            self.disk.store(victim, self.tensor[slot])
-            self.stats.spilled_blocks += 1
+            try:
+                self.disk.store(victim, self.tensor[slot])
+                self.stats.spilled_blocks += 1
+            except OSError as exc:
+                # A full or failing disk must not fail the request that needed the slot;
+                # the block is dropped like any cache victim.
+                _log.warning("dropping KV block %#x: disk tier write failed: %s", victim, exc)
         changes.append(("removed", victim))
         return slot
 

@@ -101,6 +101,13 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
             path,
             f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
         )
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelFileError(
+                path,
+                f"tensor '{t.name}' has unsupported type {t.tensor_type.name} "
+                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})",
+            )
     n_heads = int(_require(reader, path, f"{arch}.attention.head_count"))
     n_kv = int(_field_value(reader, f"{arch}.attention.head_count_kv") or n_heads)
     hidden = int(_require(reader, path, f"{arch}.embedding_length"))
@@ -108,7 +115,8 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
     vocab = _field_value(reader, f"{arch}.vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        vocab = len(tokens.data) if tokens is not None else embd.shape[-1] if embd else None
     if vocab is None:
         raise ModelFileError(path, "cannot tell the vocabulary size")
     config = ModelConfig(
@@ -129,12 +137,6 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
     file_size = os.path.getsize(path)
     for t in reader.tensors:
         type_name = t.tensor_type.name
-        if type_name not in SUPPORTED_TENSOR_TYPES:
-            raise ModelFileError(
-                path,
-                f"tensor '{t.name}' has unsupported type {type_name} "
-                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})",
-            )
         if t.data_offset + t.n_bytes > file_size:
             raise ModelFileError(path, f"file is truncated inside tensor '{t.name}'")
         name = _our_name(t.name)
@@ -142,7 +144,9 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        weight = torch.from_numpy(
+            np.array(array, dtype=np.float32)
+        )  # copy: the file is mmapped read-only
         heads = n_heads if name.endswith("q_proj") else n_kv if name.endswith("k_proj") else 0
         if heads:
             weight = unpermute_rope_rows(weight, heads)

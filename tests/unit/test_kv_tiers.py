@@ -214,6 +214,22 @@ def test_host_tier_drops_blocks_when_every_slot_is_reserved():
         host.load([4])
 
 
+def test_a_failing_disk_drops_blocks_instead_of_failing(tmp_path, monkeypatch):
+    disk = DiskTier(tmp_path / "kv", capacity_blocks=4)
+    host = HostTier(1, LAYOUT.block_shape, LAYOUT.dtype, disk)
+    data = torch.randn((2, *LAYOUT.block_shape))
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("shared.kvcache.disk_tier.os.replace", disk_full)
+    host.store([1, 2], data)  # storing 2 evicts 1, whose spill to disk fails
+    assert host.locate(1) is None and host.locate(2) == "host"
+    assert host.stats.evicted_blocks == 1 and host.stats.spilled_blocks == 0
+    assert list((tmp_path / "kv").iterdir()) == []  # no half-written leftovers
+    host.check_integrity(set())
+
+
 def test_disk_tier_round_trips_bf16_and_evicts_lru(tmp_path):
     directory = tmp_path / "disk"
     directory.mkdir()

@@ -1,0 +1,165 @@
+"""`splitserve bench engine`: decode and prefill speed of one engine, against the machine's
+read bandwidth and against llama.cpp on the same GGUF and thread count (when installed)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from services.bench.hardware import measure_read_bandwidth_gb_s
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.model.gguf_file import Checkpoint
+from shared.model.llama import LlamaModel
+from shared.model.loader import read_checkpoint
+from shared.sampling.params import SamplingParams
+
+CONTEXT = 512
+
+
+def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
+
+
+def _engine(model: LlamaModel, **overrides) -> Engine:
+    cfg = {"kv_cache_bytes": 1 << 30, "max_num_seqs": 64}
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg), model=model)
+
+
+def decode_rate(model: LlamaModel, batch: int, steps: int) -> float:
+    """Steady-state tokens/s with `batch` sequences decoding at ~CONTEXT tokens of context."""
+    engine = _engine(model)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    vocab = model.config.vocab_size
+    for i in range(batch):
+        engine.add_request(_prompt(CONTEXT, 1000 + i, vocab), params)
+    seqs = list(engine.sequences.values())
+    while any(not s.output_token_ids for s in seqs):
+        engine.step()
+    for _ in range(2):  # settle: every sequence is now decoding
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def time_to_first_token(engine: Engine, prompt: list[int]) -> float:
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    for _ in engine.run_until_done():
+        pass
+    return time.perf_counter() - start
+
+
+def prefill_rate(model: LlamaModel, length: int = 1024, repeats: int = 2) -> float:
+    vocab = model.config.vocab_size
+    best = min(
+        time_to_first_token(_engine(model), _prompt(length, 2000 + r, vocab))
+        for r in range(repeats)
+    )
+    return length / best
+
+
+def prefix_ttft_ratio(model: LlamaModel, length: int = 2048, cached: int = 1920) -> dict:
+    """TTFT of a prompt whose first `cached` tokens are in the prefix cache, vs uncached."""
+    vocab = model.config.vocab_size
+    engine = _engine(model)
+    prompt = _prompt(length, 3000, vocab)
+    warm = prompt[:cached] + _prompt(64, 3001, vocab)  # same head, different tail
+    time_to_first_token(engine, warm)
+    cached_s = time_to_first_token(engine, prompt)
+    cold_s = time_to_first_token(_engine(model), _prompt(length, 3002, vocab))
+    return {
+        "ttft_cached_ms": cached_s * 1e3,
+        "ttft_uncached_ms": cold_s * 1e3,
+        "ratio": cached_s / cold_s,
+    }
+
+
+def kv_bytes_read_per_step(model: LlamaModel, context: int) -> int:
+    c = model.config
+    return context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+
+
+def llamacpp_peer(model_path: str, threads: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=model_path, n_threads=threads, n_ctx=4096, n_batch=512, verbose=False)
+    vocab = llm.n_vocab()
+    prompt = _prompt(1024, 4000, vocab)
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    prefill = 1024 / (time.perf_counter() - start)
+    llm.reset()
+    llm.eval(_prompt(CONTEXT, 4001, vocab))
+    steps = 64
+    start = time.perf_counter()
+    token = 200
+    for _ in range(steps):
+        llm.eval([token])
+        token = (token + 7) % vocab
+    decode = steps / (time.perf_counter() - start)
+    return {"decode_tok_s_b1": decode, "prefill_tok_s_1k": prefill}
+
+
+def run(weights: str, model_path: str | None, threads: int, quick: bool = False) -> dict:
+    torch.set_num_threads(threads)
+    checkpoint: Checkpoint = read_checkpoint(model_path)
+    model = LlamaModel(checkpoint, weights=weights)
+    mem = measure_read_bandwidth_gb_s()
+    steps = {1: 48, 8: 24, 32: 12} if not quick else {1: 6, 8: 3, 32: 2}
+    result: dict = {"weights": weights, "threads": threads, "context": CONTEXT}
+    for batch, n in steps.items():
+        result[f"decode_tok_s_b{batch}"] = decode_rate(model, batch, n)
+    result["prefill_tok_s_1k"] = prefill_rate(model, repeats=1 if quick else 2)
+    prefix = prefix_ttft_ratio(model)
+    result["prefix_ttft_ratio"] = prefix["ratio"]
+    result["prefix_ttft_cached_ms"] = prefix["ttft_cached_ms"]
+    result["prefix_ttft_uncached_ms"] = prefix["ttft_uncached_ms"]
+    result["mem_read_gb_s"] = mem
+    step_bytes = model.weight_bytes_per_token_step + kv_bytes_read_per_step(model, CONTEXT)
+    result["decode_bytes_per_step_b1"] = step_bytes
+    result["decode_bw_efficiency"] = step_bytes * result["decode_tok_s_b1"] / (mem * 1e9)
+    peer = (
+        llamacpp_peer(checkpoint.source, threads) if checkpoint.source.endswith(".gguf") else None
+    )
+    if peer is not None:
+        result["peer_llamacpp_decode_tok_s_b1"] = peer["decode_tok_s_b1"]
+        result["peer_llamacpp_prefill_tok_s_1k"] = peer["prefill_tok_s_1k"]
+        result["decode_b1_vs_llamacpp"] = result["decode_tok_s_b1"] / peer["decode_tok_s_b1"]
+        result["prefill_vs_llamacpp"] = result["prefill_tok_s_1k"] / peer["prefill_tok_s_1k"]
+        result["decode_b32_vs_llamacpp_b1"] = result["decode_tok_s_b32"] / peer["decode_tok_s_b1"]
+    else:
+        result["peer_llamacpp"] = "not installed (pip install '.[peer]')"
+    return result
+
+
+def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
+    peer_d = r.get("peer_llamacpp_decode_tok_s_b1")
+    peer_p = r.get("peer_llamacpp_prefill_tok_s_1k")
+    return [
+        ("decode tok/s b1", r["decode_tok_s_b1"], peer_d, r.get("decode_b1_vs_llamacpp")),
+        ("decode tok/s b8", r["decode_tok_s_b8"], peer_d, None),
+        ("decode tok/s b32", r["decode_tok_s_b32"], peer_d, r.get("decode_b32_vs_llamacpp_b1")),
+        ("prefill tok/s (1k prompt)", r["prefill_tok_s_1k"], peer_p, r.get("prefill_vs_llamacpp")),
+        (
+            "decode GB/s b1 vs read bandwidth",
+            r["decode_bw_efficiency"] * r["mem_read_gb_s"],
+            r["mem_read_gb_s"],
+            r["decode_bw_efficiency"],
+        ),
+        (
+            "TTFT 2k prompt, 1920 cached (ms)",
+            r["prefix_ttft_cached_ms"],
+            r["prefix_ttft_uncached_ms"],
+            r["prefix_ttft_ratio"],
+        ),
+    ]

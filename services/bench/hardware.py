@@ -1,0 +1,30 @@
+"""Physical limits of this machine, measured in the same run as the figures held against them."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-N streaming read rate (a reduction over a buffer far larger than the caches)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def measure_memcpy_gb_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Best-of-N copy rate, counting bytes copied once (the figure a transfer is held against)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9

@@ -1,0 +1,44 @@
+"""The `splitserve` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.commands import bench_cmd, generate_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="Disaggregated prefill/decode LLM serving for realtime consumer chat.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    generate_cmd.add_command(sub)
+    bench_cmd.add_command(sub)
+    for module, func in _LATER_COMMANDS:
+        _add_optional(sub, module, func)
+    return parser
+
+
+# Commands whose modules are imported lazily so `splitserve generate` starts fast.
+_LATER_COMMANDS: list[tuple[str, str]] = []
+
+
+def _add_optional(sub, module: str, func: str) -> None:
+    import importlib
+
+    getattr(importlib.import_module(module), func)(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""What a response has gathered so far from its backend chunks: per choice and in total."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.coordinator.backend import GenerationChunk
+from services.coordinator.plan import Plan
+from shared.engine.output import TokenLogprob
+
+
+@dataclass
+class ChoiceState:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    started: bool = False  # has emitted its opening chunk (streaming)
+
+
+class ResponseState:
+    """Per-choice accumulators, usage totals and the response's `metadata`."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.choices = [ChoiceState() for _ in plan.requests]
+        self._replicas: list[str] = []
+        self._extra: dict[str, Any] = {}
+
+    def add(self, index: int, chunk: GenerationChunk) -> ChoiceState:
+        state = self.choices[index]
+        if self.plan.drop_output:
+            # max_tokens=0: the token generated to finish the prompt pass is not output.
+            chunk.token_ids, chunk.text, chunk.logprobs = [], "", []
+        state.text += chunk.text
+        state.token_ids.extend(chunk.token_ids)
+        state.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            state.prompt_logprobs = chunk.prompt_logprobs
+            state.prompt_top_logprobs = chunk.prompt_top_logprobs
+        state.num_prompt_tokens = chunk.num_prompt_tokens
+        state.num_cached_tokens = chunk.num_cached_tokens
+        state.num_output_tokens = 0 if self.plan.drop_output else chunk.num_output_tokens
+        if chunk.finished:
+            state.finish_reason = _openai_finish_reason(chunk.finish_reason)
+        if chunk.replica and chunk.replica not in self._replicas:
+            self._replicas.append(chunk.replica)
+        if chunk.metadata:
+            self._extra.update(chunk.metadata)
+        return state
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        # A prompt shared by n choices is counted once, as OpenAI bills it.
+        firsts = [self.choices[p * self.plan.n] for p in range(len(self.plan.prompt_ids))]
+        prompt = sum(c.num_prompt_tokens for c in firsts)
+        cached = sum(c.num_cached_tokens for c in firsts)
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        }
+
+    def metadata(self) -> dict[str, str]:
+        """OpenAI types `metadata` as string -> string; structured values travel as JSON."""
+        merged: dict[str, Any] = {
+            "request_id": self.plan.response_id,
+            "replica": ",".join(self._replicas) if self._replicas else None,
+            "service_tier": self.plan.tier,
+        }
+        merged.update(self._extra)
+        return {key: _as_string(value) for key, value in merged.items() if value is not None}
+
+
+def _as_string(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def _openai_finish_reason(reason: str | None) -> str:
+    # "abort" only reaches a client when the backend gave up on the request on its own
+    # (e.g. a worker drained it); OpenAI's closest value says the output is cut short.
+    if reason in ("stop", "length"):
+        return reason
+    return "length" if reason == "abort" else "stop"

@@ -1,0 +1,114 @@
+"""The coordinator's OpenAI-compatible HTTP surface over a `GenerationBackend`.
+
+`/v1/chat/completions`, `/v1/completions` and `/v1/models` behave as OpenAI's do (bodies,
+SSE streaming, usage, errors); `/health` (liveness), `/ready` (the backend can serve) and
+`/metrics` (Prometheus) are for operators and need no API key.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from services.coordinator.auth import check_api_key
+from services.coordinator.backend import GenerationBackend, ModelInfo
+from services.coordinator.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    APIError,
+    error_body,
+)
+from services.coordinator.handlers import GenerationHandler, error_response
+from services.coordinator.metrics import APIMetrics
+from services.coordinator.settings import APISettings
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(backend: GenerationBackend, settings: APISettings | None = None) -> FastAPI:
+    """An app serving `backend`; the caller owns the backend's lifecycle (start/close)."""
+    settings = settings or APISettings()
+    metrics = APIMetrics()
+    handler = GenerationHandler(backend, settings, metrics)
+    app = FastAPI(title="splitserve coordinator", docs_url=None, redoc_url=None)
+    app.state.backend = backend
+    app.state.settings = settings
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods, in the same shape as every other error.
+        message = f"{exc.detail} ({request.method} {request.url.path})"
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(
+            error_body(message, INVALID_REQUEST, None, code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        body = error_body("The server had an internal error.", SERVER_ERROR, None, "internal_error")
+        return JSONResponse(body, status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handler.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handler.handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        check_api_key(request, settings.api_keys)
+        return JSONResponse({"object": "list", "data": [_model_card(m) for m in backend.models()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> JSONResponse:
+        check_api_key(request, settings.api_keys)
+        for info in backend.models():
+            if info.id == model_id:
+                return JSONResponse(_model_card(info))
+        raise APIError(
+            404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        try:
+            status = await backend.health()
+        except Exception as exc:  # a broken backend is "not ready", not a 500
+            status = {"ready": False, "error": f"{type(exc).__name__}: {exc}"}
+        return JSONResponse(status, status_code=200 if status.get("ready") else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+def _model_card(info: ModelInfo) -> dict:
+    return {
+        "id": info.id,
+        "object": "model",
+        "created": info.created,
+        "owned_by": info.owned_by,
+        "context_length": info.context_length,
+    }

@@ -1,0 +1,243 @@
+"""One generation request through the HTTP layer: parse, plan, relay, count.
+
+Errors before the first token become plain HTTP errors (the stream has not begun, so a 503
+with Retry-After is still possible); errors after it become an SSE error event and [DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from services.coordinator.accumulate import ResponseState
+from services.coordinator.auth import check_api_key
+from services.coordinator.backend import (
+    BackendError,
+    BackendRequestError,
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationChunk,
+    ModelInfo,
+)
+from services.coordinator.errors import (
+    SERVER_ERROR,
+    APIError,
+    bad_request,
+    from_validation_error,
+    unavailable,
+)
+from services.coordinator.http_body import read_json_object
+from services.coordinator.metrics import UNKNOWN, APIMetrics
+from services.coordinator.plan import Endpoint, Plan, plan_chat, plan_completion
+from services.coordinator.relay import (
+    SSE_DONE,
+    ChoiceStreams,
+    ClientDisconnected,
+    SSEResponse,
+    sse,
+    until_disconnect,
+)
+from services.coordinator.response_format import ChatFormat, CompletionFormat, ResponseFormat
+from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
+from services.coordinator.settings import APISettings
+from services.coordinator.tiers import resolve_tier
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection first"
+
+
+@dataclass(frozen=True)
+class _EndpointSpec:
+    name: Endpoint
+    schema: type[BaseModel]
+    planner: Callable[..., Plan]
+    format: type[ResponseFormat]
+
+
+ENDPOINTS = {
+    "chat": _EndpointSpec("chat", ChatCompletionRequest, plan_chat, ChatFormat),
+    "completion": _EndpointSpec("completion", CompletionRequest, plan_completion, CompletionFormat),
+}
+
+
+@dataclass
+class _Progress:
+    """Timing and labels of one request, for the metrics."""
+
+    started: float = field(default_factory=time.monotonic)
+    model: str = UNKNOWN
+    tier: str = UNKNOWN
+    first_token: float | None = None
+    last_token: dict[int, float] = field(default_factory=dict)
+
+
+class GenerationHandler:
+    def __init__(self, backend: GenerationBackend, settings: APISettings, metrics: APIMetrics):
+        self.backend = backend
+        self.settings = settings
+        self.metrics = metrics
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        spec = ENDPOINTS[endpoint]
+        progress = _Progress()
+        try:
+            check_api_key(request, self.settings.api_keys)
+            data = await read_json_object(request, self.settings.max_body_bytes)
+            try:
+                body = spec.schema.model_validate(data)
+            except ValidationError as exc:
+                raise from_validation_error(exc) from exc
+            model = self._model(body.model or self.settings.model_id)
+            progress.model, progress.tier = model.id, resolve_tier(body.service_tier)
+            try:
+                plan = await run_in_threadpool(spec.planner, body, model, self.settings)
+            except UnicodeEncodeError as exc:  # lone surrogates (\ud800) decoded from JSON
+                raise bad_request("The request contains invalid Unicode text.") from exc
+            state = ResponseState(plan)
+            streams = ChoiceStreams(self.backend, plan.requests)
+            try:
+                if plan.stream:
+                    first = await until_disconnect(request, streams.next())
+                else:
+                    await until_disconnect(request, self._collect(streams, state, progress))
+            except ClientDisconnected:
+                streams.close()
+                self._count(progress, endpoint, CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
+            except Exception as exc:
+                streams.close()
+                raise backend_api_error(exc, plan) from exc
+        except APIError as exc:
+            self._count(progress, endpoint, exc.status)
+            return error_response(exc)
+        headers = {"X-Request-Id": plan.response_id}
+        fmt = spec.format(plan, state)
+        if plan.stream:
+            events = self._events(plan, streams, first, state, fmt, progress)
+            return SSEResponse(events, headers=headers)
+        self._finish(progress, endpoint, state, 200)
+        return JSONResponse(fmt.response(), headers=headers)
+
+    def _model(self, model_id: str) -> ModelInfo:
+        for info in self.backend.models():
+            if info.id == model_id:
+                return info
+        raise APIError(
+            404,
+            f"The model '{model_id}' does not exist or is not served here; see /v1/models.",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def _collect(
+        self, streams: ChoiceStreams, state: ResponseState, progress: _Progress
+    ) -> None:
+        while (event := await streams.next()) is not None:
+            index, chunk = event
+            self._observe(progress, index, chunk)
+            state.add(index, chunk)
+        _check_finished(state)
+
+    async def _events(
+        self,
+        plan: Plan,
+        streams: ChoiceStreams,
+        first: tuple[int, GenerationChunk] | None,
+        state: ResponseState,
+        fmt: ResponseFormat,
+        progress: _Progress,
+    ) -> AsyncIterator[str]:
+        outcome: int | str = CLIENT_CLOSED  # unless the stream gets to its end
+        try:
+            event = first
+            while event is not None:
+                index, chunk = event
+                self._observe(progress, index, chunk)
+                state.add(index, chunk)
+                for payload in fmt.stream_chunks(index, chunk):
+                    yield sse(payload)
+                event = await streams.next()
+            _check_finished(state)
+            if plan.include_usage:
+                yield sse(fmt.usage_chunk())
+            yield SSE_DONE
+            outcome = 200
+        except Exception as exc:
+            error = backend_api_error(exc, plan)
+            outcome = "stream_error"
+            yield sse(error.body())
+            yield SSE_DONE
+        finally:
+            streams.close()  # no await: this may run inside a cancelled scope
+            self._finish(progress, plan.endpoint, state, outcome)
+
+    def _observe(self, progress: _Progress, index: int, chunk: GenerationChunk) -> None:
+        if not chunk.token_ids:
+            return
+        now = time.monotonic()
+        labels = (progress.model, progress.tier)
+        if progress.first_token is None:
+            progress.first_token = now
+            self.metrics.ttft.labels(*labels).observe(now - progress.started)
+        previous = progress.last_token.get(index)
+        if previous is not None:
+            gap = (now - previous) / len(chunk.token_ids)
+            for _ in chunk.token_ids:
+                self.metrics.itl.labels(*labels).observe(gap)
+        progress.last_token[index] = now
+
+    def _finish(
+        self, progress: _Progress, endpoint: str, state: ResponseState, outcome: int | str
+    ) -> None:
+        usage = state.usage()
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        self.metrics.count_tokens(
+            progress.model,
+            progress.tier,
+            usage["prompt_tokens"],
+            cached,
+            usage["completion_tokens"],
+        )
+        if outcome == 200:
+            elapsed = time.monotonic() - progress.started
+            self.metrics.e2e.labels(progress.model, progress.tier).observe(elapsed)
+        self._count(progress, endpoint, outcome)
+
+    def _count(self, progress: _Progress, endpoint: str, status: int | str) -> None:
+        self.metrics.count_request(progress.model, progress.tier, endpoint, status)
+
+
+def _check_finished(state: ResponseState) -> None:
+    if not state.finished:
+        raise BackendError("the backend ended the stream before the request finished")
+
+
+def backend_api_error(exc: BaseException, plan: Plan) -> APIError:
+    """A backend failure as the client should see it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, BackendUnavailable):
+        return unavailable(str(exc), exc.retry_after_s)
+    if isinstance(exc, BackendRequestError):
+        param = plan.param_names.get(exc.param, exc.param)
+        return bad_request(exc.message, param)
+    if isinstance(exc, BackendError):
+        return APIError(
+            502, f"The model backend failed: {exc}", type=SERVER_ERROR, code="backend_error"
+        )
+    log.error("unexpected error serving %s", plan.response_id, exc_info=exc)
+    return APIError(
+        500, "The server had an internal error.", type=SERVER_ERROR, code="internal_error"
+    )
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

@@ -1,0 +1,52 @@
+"""Reading a request body: size limit, strict UTF-8, JSON object — each refusal in API shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from services.coordinator.errors import APIError, bad_request
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:  # chunked uploads declare no length: count as they arrive
+            raise _too_large(max_bytes)
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            f"The request body is not valid UTF-8 (bad byte at offset {exc.start}).",
+            code="invalid_encoding",
+        ) from exc
+    if not text.strip():
+        raise bad_request("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise bad_request(
+            f"The request body is not valid JSON: {exc}.", code="invalid_json"
+        ) from exc
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON does not, and no parameter takes them.
+    raise ValueError(f"{name} is not a valid JSON value")
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body exceeds this server's limit of {max_bytes} bytes.",
+        code="request_too_large",
+    )

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one app instance (its own registry: several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+# Latency buckets in seconds: TTFT spans queueing behind long prefills; ITL is per token.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# Label values for requests whose model or tier never validated: the client chose those
+# strings, and a label per typo would grow the registry without bound.
+UNKNOWN = "unknown"
+
+
+class APIMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("model", "tier")
+        self.requests = Counter(
+            "splitserve_requests",
+            "API requests by model, tier, endpoint and outcome (HTTP status; 499 = client "
+            "disconnected, stream_error = failed after the stream began)",
+            (*labels, "endpoint", "status"),
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "splitserve_time_to_first_token_seconds",
+            "Time from receiving a request to its first generated token",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "splitserve_e2e_request_latency_seconds",
+            "Time from receiving a request to its last token",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "splitserve_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "splitserve_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache instead of being computed",
+            labels,
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "splitserve_completion_tokens",
+            "Tokens generated",
+            labels,
+            registry=self.registry,
+        )
+
+    def count_request(self, model: str, tier: str, endpoint: str, status: int | str) -> None:
+        self.requests.labels(model, tier, endpoint, str(status)).inc()
+
+    def count_tokens(
+        self, model: str, tier: str, prompt: int, cached: int, completion: int
+    ) -> None:
+        self.prompt_tokens.labels(model, tier).inc(prompt)
+        self.cached_tokens.labels(model, tier).inc(cached)
+        self.completion_tokens.labels(model, tier).inc(completion)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

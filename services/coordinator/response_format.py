@@ -1,0 +1,186 @@
+"""Response bodies and stream chunks of the two endpoints, built from a `ResponseState`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from services.coordinator.accumulate import ResponseState
+from services.coordinator.backend import GenerationChunk
+from services.coordinator.logprob_format import (
+    CompletionLogprobs,
+    chat_logprobs,
+    merge_completion_logprobs,
+)
+from services.coordinator.plan import Plan
+
+
+class ResponseFormat(ABC):
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, plan: Plan, state: ResponseState):
+        self.plan = plan
+        self.state = state
+        self.tokenizer = plan.model.tokenizer
+
+    @abstractmethod
+    def stream_chunks(self, index: int, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        """The SSE payloads for a backend chunk already added to the state."""
+
+    @abstractmethod
+    def response(self) -> dict[str, Any]:
+        """The whole non-streaming body, once every choice has finished."""
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with `include_usage`: totals and no choices."""
+        body = self._envelope(self.chunk_object_name)
+        body.update(choices=[], usage=self.state.usage(), metadata=self.state.metadata())
+        return body
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.plan.response_id,
+            "object": object_name,
+            "created": self.plan.created,
+            "model": self.plan.model.id,
+            "system_fingerprint": self.plan.model.fingerprint or None,
+            "service_tier": self.plan.tier,
+        }
+
+    def _chunk(self, choice: dict[str, Any], with_metadata: bool) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name)
+        body["choices"] = [choice]
+        if self.plan.continuous_usage:
+            body["usage"] = self.state.usage()
+        elif self.plan.include_usage:
+            body["usage"] = None  # as OpenAI sends it: present, null until the final chunk
+        if with_metadata:
+            body["metadata"] = self.state.metadata()
+        return body
+
+    def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = self._envelope(self.object_name)
+        body.update(choices=choices, usage=self.state.usage(), metadata=self.state.metadata())
+        return body
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def stream_chunks(self, index: int, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        choice = self.state.choices[index]
+        out = []
+        if not choice.started:
+            choice.started = True
+            opening = {"role": "assistant", "content": "", "refusal": None}
+            out.append(self._chunk(self._choice(index, opening, None, None), with_metadata=True))
+        logprobs = None
+        if self.plan.logprobs is not None and chunk.logprobs:
+            logprobs = {"content": chat_logprobs(self.tokenizer, chunk.logprobs), "refusal": None}
+        if chunk.text or logprobs or chunk.finished:
+            delta = {"content": chunk.text} if chunk.text else {}
+            reason = choice.finish_reason if chunk.finished else None
+            payload = self._choice(index, delta, logprobs, reason)
+            out.append(self._chunk(payload, with_metadata=chunk.finished))
+        return out
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, choice in enumerate(self.state.choices):
+            logprobs = None
+            if self.plan.logprobs is not None:
+                logprobs = {
+                    "content": chat_logprobs(self.tokenizer, choice.logprobs),
+                    "refusal": None,
+                }
+            message = {
+                "role": "assistant",
+                "content": choice.text,
+                "refusal": None,
+                "annotations": [],
+            }
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+        return self._body(choices)
+
+    @staticmethod
+    def _choice(
+        index: int, delta: dict[str, Any], logprobs: dict | None, reason: str | None
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, plan: Plan, state: ResponseState):
+        super().__init__(plan, state)
+        self._prompt_text = [self.tokenizer.decode(ids) for ids in plan.prompt_ids]
+        self._stream_logprobs: dict[int, CompletionLogprobs] = {}
+
+    def stream_chunks(self, index: int, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        choice = self.state.choices[index]
+        text = chunk.text
+        parts = []
+        first = index not in self._stream_logprobs
+        if first:
+            choice.started = True
+            builder = self._builder(index)
+            self._stream_logprobs[index] = builder
+            if self.plan.echo:
+                text = self._prompt_text[self.plan.prompt_index(index)] + text
+                if self.plan.logprobs is not None:
+                    parts.append(self._prompt_part(builder, index))
+        if self.plan.logprobs is not None and chunk.logprobs:
+            parts.append(self._stream_logprobs[index].output(chunk.logprobs))
+        if not (text or parts or chunk.finished):
+            return []
+        logprobs = merge_completion_logprobs(*parts) if self.plan.logprobs is not None else None
+        reason = choice.finish_reason if chunk.finished else None
+        payload = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return [self._chunk(payload, with_metadata=first or chunk.finished)]
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, choice in enumerate(self.state.choices):
+            text = choice.text
+            if self.plan.echo:
+                text = self._prompt_text[self.plan.prompt_index(index)] + text
+            logprobs = None
+            if self.plan.logprobs is not None:
+                builder = self._builder(index)
+                parts = [self._prompt_part(builder, index)] if self.plan.echo else []
+                parts.append(builder.output(choice.logprobs))
+                logprobs = merge_completion_logprobs(*parts)
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+        return self._body(choices)
+
+    def _builder(self, index: int) -> CompletionLogprobs:
+        # Offsets count from the start of the returned text; without echo that text starts
+        # right after the prompt, as in OpenAI's API.
+        start = 0 if self.plan.echo else len(self._prompt_text[self.plan.prompt_index(index)])
+        return CompletionLogprobs(self.tokenizer, start)
+
+    def _prompt_part(self, builder: CompletionLogprobs, index: int) -> dict[str, list]:
+        choice = self.state.choices[index]
+        return builder.prompt(
+            self.plan.prompt_ids[self.plan.prompt_index(index)],
+            choice.prompt_logprobs,
+            choice.prompt_top_logprobs,
+        )

@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI endpoints, validated with pydantic.
+
+Types are strict (no "5" for 5, no 1 for true): OpenAI answers such bodies with a 400 naming
+the parameter, and a client sending them has a bug worth hearing about. Unknown fields are
+ignored, as OpenAI does. Fields that accept several shapes (`stop`, `prompt`, message
+`content`) are checked by one function each, so an error names the field the client sent
+rather than a pydantic union member.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PlainValidator,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from services.coordinator.tiers import VALID_TIERS
+
+Number = StrictFloat | StrictInt
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise _invalid("must be a string or an array of strings")
+
+
+def _content(value: Any) -> str | list[dict[str, str]]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _invalid("must be a string or an array of text content parts")
+    for index, part in enumerate(value):
+        if not isinstance(part, dict) or "type" not in part:
+            raise _invalid(f"content part {index} must be an object with a 'type'")
+        if part["type"] != "text":
+            raise _invalid(
+                f"content part {index} has type {part['type']!r}; this model accepts only "
+                "'text' parts"
+            )
+        if not isinstance(part.get("text"), str):
+            raise _invalid(f"content part {index} needs a string 'text'")
+    return [{"type": "text", "text": part["text"]} for part in value]
+
+
+def _prompt(value: Any) -> list[str | list[int]]:
+    """One or more prompts, each text or token ids."""
+
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v
+        )
+
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if is_ids(value):
+            return [value]
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(is_ids(p) for p in value):
+            return list(value)
+    if isinstance(value, list) and not value:
+        raise _invalid("must not be empty")
+    raise _invalid(
+        "must be a string, an array of strings, an array of token ids, or an array of arrays "
+        "of token ids"
+    )
+
+
+Stop = Annotated[str | list[str] | None, PlainValidator(_stop)]
+Content = Annotated[str | list[dict[str, str]], PlainValidator(_content)]
+Prompt = Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator(_prompt)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    # Usage on every chunk, not only on a final one (a common extension).
+    continuous_usage_stats: StrictBool = False
+
+
+class ChatMessage(_Body):
+    # `developer` is OpenAI's newer name for `system`; tool turns are not supported.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: StrictStr | None = None
+
+
+class _GenerationBody(_Body):
+    """Fields the two endpoints share."""
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    seed: StrictInt | None = None
+    stop: Stop = ()
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt | None = None
+    user: StrictStr | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    service_tier: StrictStr | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("service_tier")
+    @classmethod
+    def _known_tier(cls, value: str | None) -> str | None:
+        if value is not None and value not in VALID_TIERS:
+            raise _invalid(f"must be one of {', '.join(VALID_TIERS)}; got {value!r}")
+        return value
+
+
+class ChatCompletionRequest(_GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise _invalid("must contain at least one message")
+        return value
+
+
+class CompletionRequest(_GenerationBody):
+    prompt: Prompt
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None  # number of alternatives per token, as in OpenAI's API
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None

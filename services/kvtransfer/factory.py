@@ -1,0 +1,48 @@
+"""Builds a backend (and a pool it can send from) by name, for config files and harnesses."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+
+from services.kvtransfer.interface import TransferBackend
+from services.kvtransfer.shm_pool import SharedKVPool
+from services.kvtransfer.types import TransferError
+from shared.kvcache.pool import KVLayout, KVPool
+
+BackendKind = Literal["tcp", "shm", "nixl"]
+BACKEND_KINDS: tuple[BackendKind, ...] = ("tcp", "shm", "nixl")
+
+
+def create_backend(
+    kind: str,
+    agent_name: str,
+    *,
+    registry: CollectorRegistry | None = None,
+    fence_grace_s: float = 2.0,
+    host: str = "127.0.0.1",
+) -> TransferBackend:
+    """``host`` is the tcp listen address; NIXL is imported only when asked for."""
+    if kind == "tcp":
+        from services.kvtransfer.tcp import TcpTransferBackend
+
+        return TcpTransferBackend(
+            agent_name, host=host, registry=registry, fence_grace_s=fence_grace_s
+        )
+    if kind == "shm":
+        from services.kvtransfer.shm import ShmTransferBackend
+
+        return ShmTransferBackend(agent_name, registry=registry, fence_grace_s=fence_grace_s)
+    if kind == "nixl":
+        from services.kvtransfer.nixl import NixlTransferBackend
+
+        return NixlTransferBackend(agent_name, registry=registry, fence_grace_s=fence_grace_s)
+    raise TransferError(f"unknown kvtransfer backend {kind!r}; choose one of {BACKEND_KINDS}")
+
+
+def create_pool(kind: str, layout: KVLayout, num_blocks: int) -> KVPool:
+    """The shm backend sends out of a pool in shared memory; the others take any pool."""
+    if kind == "shm":
+        return SharedKVPool.create(layout, num_blocks)
+    return KVPool(layout, num_blocks)

@@ -1,0 +1,81 @@
+"""Model files: the HF folder loader, and clear errors for files we cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.model.config import ModelFileError
+from shared.model.gguf_file import read_gguf
+from shared.model.llama import LlamaModel
+from shared.model.loader import read_checkpoint
+from shared.model.tiny import tiny_checkpoint, write_hf_folder
+from tests.reference import dense_logits
+
+
+def test_hf_folder_round_trip(tmp_path):
+    original = tiny_checkpoint(seed=3)
+    folder = write_hf_folder(original, tmp_path / "tiny")
+    loaded = read_checkpoint(folder)
+    assert loaded.config == original.config
+    ids = [5, 9, 200, 7, 3]
+    a = dense_logits(LlamaModel(original), ids)
+    b = dense_logits(LlamaModel(loaded), ids)
+    assert torch.equal(a, b)
+
+
+def test_missing_file_is_named(tmp_path):
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(ModelFileError, match="nope.gguf.*does not exist"):
+        read_checkpoint(path)
+
+
+def test_truncated_gguf_is_refused(tmp_path, gguf_path):
+    truncated = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as f:
+        truncated.write_bytes(f.read(20_000_000))
+    with pytest.raises(ModelFileError, match="cut.gguf.*(truncated|corrupt)"):
+        read_gguf(truncated)
+
+
+def _write_gguf(path, arch: str, tensor_dtype=np.float32):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=tensor_dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    _write_gguf(path, "gpt2")
+    with pytest.raises(ModelFileError, match="unsupported architecture 'gpt2'"):
+        read_gguf(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = tmp_path / "i32.gguf"
+    _write_gguf(path, "llama", tensor_dtype=np.int32)
+    with pytest.raises(ModelFileError, match="token_embd.weight.*unsupported type I32"):
+        read_gguf(path)
+
+
+def test_not_a_model(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        read_checkpoint(path)
+
+
+def test_hf_folder_without_config(tmp_path):
+    with pytest.raises(ModelFileError, match="config.json"):
+        read_checkpoint(tmp_path)
