@@ -1,0 +1,155 @@
+"""One validated schema for a deployment: what `splitserve up` reads and the Helm chart renders.
+
+Validated once, at the edge (pydantic, unknown keys refused so a typo is an error, not a
+silently ignored setting). Nothing below re-parses environment variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+TransferBackendName = Literal["shm", "tcp", "nixl", "fake"]
+WeightsName = Literal["fp32", "bf16", "int8", "int4", "auto"]
+RoleName = Literal["prefill", "decode", "both"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolsConfig(_Strict):
+    """Replica counts per role for one model (the chart can derive them from a ratio)."""
+
+    prefill: int = Field(1, ge=0)
+    decode: int = Field(1, ge=0)
+    both: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _servable(self) -> PoolsConfig:
+        if self.both == 0 and (self.prefill == 0 or self.decode == 0):
+            raise ValueError(
+                "a model needs at least one 'both' replica, or at least one prefill and one "
+                "decode replica"
+            )
+        return self
+
+
+class WorkerConfig(_Strict):
+    kv_cache_bytes: int = Field(256 * 1024**2, gt=0)
+    host_cache_bytes: int = Field(512 * 1024**2, ge=0)
+    disk_cache_bytes: int = Field(0, ge=0)
+    disk_cache_dir: str | None = None
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    threads: int | None = Field(None, ge=1, description="torch threads; default: cores / workers")
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+
+class ModelDeployment(_Strict):
+    id: str = "SmolLM2-135M-Instruct"
+    path: str | None = Field(None, description="GGUF file or HF folder; None = bundled SmolLM2")
+    weights: WeightsName = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    pools: PoolsConfig = PoolsConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+    @field_validator("id")
+    @classmethod
+    def _id_shape(cls, v: str) -> str:
+        if not v.strip() or v.startswith("router/"):
+            raise ValueError("model id must be non-empty and must not start with 'router/'")
+        return v
+
+
+class TransferConfig(_Strict):
+    backend: TransferBackendName = "shm"
+    deadline_s: float = Field(10.0, gt=0)
+
+
+class CoordinatorConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    registry_port: int = Field(50151, ge=0, le=65535, description="gRPC registration endpoint")
+    max_body_bytes: int = Field(4 * 1024**2, gt=0)
+    max_tokens_limit: int = Field(4096, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    api_keys_file: str | None = Field(None, description="one key per line; none = no auth")
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> CoordinatorConfig:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    block_size: int = Field(16, description="tokens per KV block; router and workers must agree")
+    models: list[ModelDeployment] = Field(default_factory=lambda: [ModelDeployment()], min_length=1)
+    transfer: TransferConfig = TransferConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    worker_host: str = "127.0.0.1"
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v <= 0 or v & (v - 1):
+            raise ValueError("block_size must be a positive power of two")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> DeploymentConfig:
+        ids = [m.id for m in self.models]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"model ids must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def model(self, model_id: str) -> ModelDeployment:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        raise KeyError(model_id)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(m.pools.prefill + m.pools.decode + m.pools.both for m in self.models)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the field."""
+
+
+def load_config(path: str | Path | None) -> DeploymentConfig:
+    if path is None:
+        return DeploymentConfig()
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: config file does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(raw, str(path))
+
+
+def parse_config(raw: object, origin: str = "<config>") -> DeploymentConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: the top level must be a mapping")
+    try:
+        return DeploymentConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{origin}: {problems}") from exc
+
+
+def dump_config(config: DeploymentConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
