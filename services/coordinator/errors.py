@@ -87,7 +87,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
             param=param,
             code="missing_required_parameter",
         )
-    if kind.endswith("_type") or kind in ("model_attributes_type", "dict_type"):
+    if kind.endswith("_type"):
+        if kind in ("model_type", "model_attributes_type", "dict_type"):
+            msg = "expected an object"  # not pydantic's class names
         return APIError(
             400,
             f"Invalid type for '{param}': {_lower_first(msg)}, "

@@ -97,10 +97,7 @@ class GenerationHandler:
                 raise from_validation_error(exc) from exc
             model = self._model(body.model or self.settings.model_id)
             progress.model, progress.tier = model.id, resolve_tier(body.service_tier)
-            try:
-                plan = await run_in_threadpool(spec.planner, body, model, self.settings)
-            except UnicodeEncodeError as exc:  # lone surrogates (\ud800) decoded from JSON
-                raise bad_request("The request contains invalid Unicode text.") from exc
+            plan = await run_in_threadpool(spec.planner, body, model, self.settings)
             state = ResponseState(plan)
             streams = ChoiceStreams(self.backend, plan.requests)
             try:
@@ -115,6 +112,9 @@ class GenerationHandler:
             except Exception as exc:
                 streams.close()
                 raise backend_api_error(exc, plan) from exc
+            except BaseException:  # cancelled (server shutting down): still abort the work
+                streams.close()
+                raise
         except APIError as exc:
             self._count(progress, endpoint, exc.status)
             return error_response(exc)

@@ -36,7 +36,23 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         ) from exc
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    if "\\ud" in text.lower() and _has_lone_surrogate(data):
+        raise bad_request(
+            "The request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+            "which is not valid Unicode text.",
+            code="invalid_encoding",
+        )
     return data
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    # JSON escapes can spell a lone surrogate, which no tokenizer (or UTF-8 reply) can carry;
+    # properly paired escapes were already combined into one character by the parser.
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _reject_constant(name: str) -> Any:

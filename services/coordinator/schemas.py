@@ -25,7 +25,8 @@ from pydantic_core import PydanticCustomError
 
 from services.coordinator.tiers import VALID_TIERS
 
-Number = StrictFloat | StrictInt
+# Strict floats still take JSON integers (`"temperature": 1`), never strings or booleans.
+Number = StrictFloat
 
 
 def _invalid(message: str) -> PydanticCustomError:

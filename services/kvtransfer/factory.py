@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -21,23 +21,23 @@ def create_backend(
     *,
     registry: CollectorRegistry | None = None,
     fence_grace_s: float = 2.0,
-    host: str = "127.0.0.1",
+    **options: Any,
 ) -> TransferBackend:
-    """``host`` is the tcp listen address; NIXL is imported only when asked for."""
+    """``options`` go to the backend's constructor (tcp: host, port, advertise_host,
+    socket_buffer_bytes). NIXL is imported only when asked for."""
+    common = {"registry": registry, "fence_grace_s": fence_grace_s, **options}
     if kind == "tcp":
         from services.kvtransfer.tcp import TcpTransferBackend
 
-        return TcpTransferBackend(
-            agent_name, host=host, registry=registry, fence_grace_s=fence_grace_s
-        )
+        return TcpTransferBackend(agent_name, **common)
     if kind == "shm":
         from services.kvtransfer.shm import ShmTransferBackend
 
-        return ShmTransferBackend(agent_name, registry=registry, fence_grace_s=fence_grace_s)
+        return ShmTransferBackend(agent_name, **common)
     if kind == "nixl":
         from services.kvtransfer.nixl import NixlTransferBackend
 
-        return NixlTransferBackend(agent_name, registry=registry, fence_grace_s=fence_grace_s)
+        return NixlTransferBackend(agent_name, **common)
     raise TransferError(f"unknown kvtransfer backend {kind!r}; choose one of {BACKEND_KINDS}")
 
 

@@ -17,7 +17,7 @@ import multiprocessing as mp
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from services.kvtransfer.blockbytes import byte_view
 from services.kvtransfer.codec import metadata_from_proto, metadata_to_proto
 from services.kvtransfer.factory import create_backend, create_pool
 from services.kvtransfer.session import TransferSession
-from services.kvtransfer.shm_pool import SHM_DIR
+from services.kvtransfer.shm_pool import SHM_DIR, SharedKVPool
 from services.kvtransfer.types import (
     AgentMetadata,
     BlockDescriptor,
@@ -67,6 +67,7 @@ class PeerSpec:
     layout: KVLayout
     num_blocks: int
     fence_grace_s: float = 2.0
+    options: dict[str, Any] = field(default_factory=dict)  # backend constructor options
 
     def to_json(self) -> str:
         layout = {**self.layout.__dict__, "dtype": dtype_name(self.layout.dtype)}
@@ -101,6 +102,7 @@ class _Agent:
             spec["agent_name"],
             registry=CollectorRegistry(),
             fence_grace_s=spec["fence_grace_s"],
+            **spec["options"],
         )
         self.pool = create_pool(spec["backend"], layout, spec["num_blocks"])
         self.sessions: dict[str, TransferSession] = {}
@@ -148,7 +150,8 @@ class _Agent:
         return self.wait(request_id, spin=True)
 
     def poll(self, request_id: str) -> dict:
-        return {"state": self.sessions[request_id].poll().value}
+        session = self.sessions[request_id]
+        return {"state": session.poll().value, "moved": session.handle.moved_bytes}
 
     def wait(self, request_id: str, spin: bool = False) -> dict:
         session = self.sessions[request_id]
@@ -159,6 +162,7 @@ class _Agent:
             "error": session.handle.error,
             "seconds": stats.seconds,
             "nbytes": stats.nbytes,
+            "moved": session.handle.moved_bytes,
         }
 
     def abort(self, request_id: str) -> dict:
@@ -172,6 +176,8 @@ class _Agent:
         for session in self.sessions.values():
             session.close()
         self.backend.close()
+        if isinstance(self.pool, SharedKVPool):
+            self.pool.unlink()
         return {}
 
     def _watch(self, handle) -> None:
@@ -194,7 +200,10 @@ def _peer_main(conn, spec_json: str) -> None:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         conn.send_bytes(json.dumps(reply).encode())
         if op == "close":
-            return
+            # Everything that matters is closed; skipping interpreter teardown saves the
+            # seconds NIXL/UCX destructors take at exit.
+            conn.close()
+            os._exit(0)
 
 
 class PeerProcess:
@@ -282,6 +291,9 @@ class PeerProcess:
 
     def poll(self, request_id: str) -> str:
         return self.call("poll", request_id=request_id)["state"]
+
+    def moved_bytes(self, request_id: str) -> int:
+        return self.call("poll", request_id=request_id)["moved"]
 
     def wait(self, request_id: str, timeout_s: float = 30.0, *, spin: bool = False) -> dict:
         """The final state, error, seconds and bytes; ``spin`` polls without sleeping."""

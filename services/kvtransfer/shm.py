@@ -100,6 +100,9 @@ class ShmTransferBackend(StreamBackend):
         def keep_going() -> bool:
             return not handle.state.terminal and _peer_still_there(sock)
 
+        def progress(nbytes: int) -> None:
+            handle.moved_bytes += nbytes
+
         copy_runs(
             byte_view(source.tensor),
             byte_view(self.pool.tensor),
@@ -107,6 +110,7 @@ class ShmTransferBackend(StreamBackend):
             req.dst_ids,
             self.pool.layout.block_bytes,
             keep_going,
+            progress,
         )
 
     def _close(self) -> None:

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 10.0
 
 
+class Refused(Exception):
+    """The receiver said no before any payload moved; the message says why."""
+
+
 @dataclass
 class _Io:
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -163,6 +167,8 @@ class StreamBackend(TransferBackend):
                     sock.sendall(wire.encode_request(req))
                     self._send_payload(handle, sock)
                     ok, message = wire.read_ack(sock)
+                except Refused as exc:
+                    ok, message = False, str(exc)
                 except OSError as exc:
                     self._fail(handle, f"transfer to {peer.agent_name!r} broke: {exc}")
                     return

@@ -1,11 +1,12 @@
 """TcpTransferBackend: the portable fallback, plain sockets between any two hosts.
 
-Direction: WRITE by prefill (PUSH). The prefill side streams each block's bytes straight
-out of its pool (``sendall`` on a memoryview of the pool, no staging copy) and the decode
-side ``recv_into``s them straight into the destination blocks. Each side only ever touches
-its own memory, so either side can stop the transfer on its own by shutting the socket,
-and fencing is just waiting for the local thread. Pushing also means the prefill replica
-frees its blocks the moment the last byte is acknowledged.
+Direction: WRITE by prefill (PUSH). Once the receiver has accepted the request header, the
+prefill side streams each block's bytes straight out of its pool (``sendall`` on a
+memoryview of the pool, no staging copy) and the decode side ``recv_into``s them straight
+into the destination blocks. Each side only ever touches its own memory, so either side can
+stop the transfer on its own by shutting the socket, and fencing is just waiting for the
+local thread. Pushing also means the prefill replica frees its blocks the moment the last
+byte is acknowledged.
 
 No authentication or encryption: bind it to loopback or a private cluster network.
 """
@@ -18,8 +19,8 @@ import socket
 from prometheus_client import CollectorRegistry
 
 from services.kvtransfer import wire
-from services.kvtransfer.blockbytes import byte_view, runs
-from services.kvtransfer.stream import StreamBackend
+from services.kvtransfer.blockbytes import byte_view, chunks, runs
+from services.kvtransfer.stream import Refused, StreamBackend
 from services.kvtransfer.types import AgentMetadata, ReceiveHandle, TransferHandle
 from shared.kvcache.pool import KVPool
 
@@ -35,16 +36,30 @@ class TcpTransferBackend(StreamBackend):
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        socket_buffer_bytes: int | None = None,
         registry: CollectorRegistry | None = None,
         fence_grace_s: float = 2.0,
     ):
+        """``socket_buffer_bytes`` pins SO_SNDBUF/SO_RCVBUF. Leave it None: setting them turns
+        off the kernel's autotuning, which reaches far larger buffers (net.ipv4.tcp_rmem)
+        than an explicit value may (net.core.rmem_max). Tests use a tiny one to slow a
+        transfer down enough to kill a peer in the middle of it."""
         super().__init__(agent_name, registry=registry, fence_grace_s=fence_grace_s)
         self.host = host
         self.port = port
         self.advertise_host = advertise_host or host
+        self.socket_buffer_bytes = socket_buffer_bytes
 
     def _listen(self) -> socket.socket:
-        return socket.create_server((self.host, self.port), backlog=128)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            self.host, self.port, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._tune(listener)  # before listen(): accepted sockets inherit the buffer sizes
+        listener.bind(address)
+        listener.listen(128)
+        return listener
 
     def _address_payload(self, listener: socket.socket, pool: KVPool) -> bytes:
         port = listener.getsockname()[1]
@@ -57,29 +72,44 @@ class TcpTransferBackend(StreamBackend):
 
     def _connect(self, peer: AgentMetadata, timeout_s: float) -> socket.socket:
         address = json.loads(peer.payload)
-        sock = socket.create_connection((address["host"], address["port"]), timeout=timeout_s)
-        _tune(sock)
+        sock = socket.socket(
+            socket.AF_INET6 if ":" in address["host"] else socket.AF_INET, socket.SOCK_STREAM
+        )
+        self._tune(sock)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect((address["host"], address["port"]))
+        except OSError:
+            sock.close()
+            raise
         return sock
 
     def _send_payload(self, handle: TransferHandle, sock: socket.socket) -> None:
+        # Wait for the receiver's go-ahead: a refusal then costs one round trip instead of
+        # streaming the whole payload into a connection about to be reset.
+        ready, message = wire.read_ack(sock)
+        if not ready:
+            raise Refused(message)
         pool_bytes = memoryview(byte_view(self.pool.tensor).numpy())
         block_bytes = self.pool.layout.block_bytes
         for run in runs(handle.block_ids, handle.block_ids):
-            start = run.src * block_bytes
-            sock.sendall(pool_bytes[start : start + run.count * block_bytes])
+            for start, size in chunks(run.src * block_bytes, run.count * block_bytes):
+                sock.sendall(pool_bytes[start : start + size])
+                handle.moved_bytes += size
 
     def _receive_payload(
         self, handle: ReceiveHandle, sock: socket.socket, req: wire.TransferRequest
     ) -> None:
-        _tune(sock)
+        sock.sendall(wire.encode_ack(True, "ready"))
         pool_bytes = memoryview(byte_view(self.pool.tensor).numpy())
         block_bytes = self.pool.layout.block_bytes
         for run in runs(req.dst_ids, req.dst_ids):
-            start = run.dst * block_bytes
-            wire.recv_into_exact(sock, pool_bytes[start : start + run.count * block_bytes])
+            for start, size in chunks(run.dst * block_bytes, run.count * block_bytes):
+                wire.recv_into_exact(sock, pool_bytes[start : start + size])
+                handle.moved_bytes += size
 
-
-def _tune(sock: socket.socket) -> None:
-    # Buffer sizes are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns it
-    # off and caps them at net.core.[rw]mem_max, which is far below what autotuning reaches.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _tune(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.socket_buffer_bytes is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.socket_buffer_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.socket_buffer_bytes)

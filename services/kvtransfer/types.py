@@ -120,6 +120,9 @@ class TransferHandle:
     state: TransferState = TransferState.PENDING
     error: str = ""
     finished: float | None = None
+    # Bytes this side has moved so far, where the backend can tell (tcp, shm): progress for
+    # operators looking at a slow transfer, and for tests that kill a peer mid-transfer.
+    moved_bytes: int = 0
     # Per-backend bookkeeping (sockets, threads, NIXL handles); opaque to everyone else.
     private: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

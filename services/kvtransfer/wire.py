@@ -2,8 +2,9 @@
 
 Sender -> receiver: a fixed header, the request id and sender name (UTF-8), the source and
 destination block ids (little-endian uint32), then for ``PUSH`` the raw bytes of every
-block in destination order. ``PULL`` carries no payload: the receiver copies the blocks out
-of the sender's shared-memory pool itself. Receiver -> sender: one ack frame.
+block in destination order, sent only after the receiver acked the header ("ready", or a
+refusal). ``PULL`` carries no payload: the receiver copies the blocks out of the sender's
+shared-memory pool itself. Either way the receiver ends with one ack frame: done or why not.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from shared.engine.sequence import SeqStatus, Sequence
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.disk_tier import DiskTier
 from shared.kvcache.pool import KVPool
+from shared.kvcache.tables import BlockTable
 from shared.kvcache.tiers import HostTier
 from shared.model.llama import LlamaModel
 from shared.model.loader import load_model
@@ -40,6 +41,8 @@ class Engine:
         model: LlamaModel | None = None,
         tokenizer: Tokenizer | None = None,
         event_sink=None,
+        pool: KVPool | None = None,
+        kv_salt: bytes | None = None,
     ):
         self.config = config
         if config.num_threads:
@@ -51,7 +54,13 @@ class Engine:
             config.max_model_len or model_cfg.max_position, model_cfg.max_position
         )
         layout = self.model.kv_layout(config.block_size)
-        if config.num_blocks is not None:
+        if pool is not None:
+            if pool.layout != layout:
+                raise ValueError(
+                    f"KV pool layout {pool.layout} does not match the model's {layout}"
+                )
+            self.pool = pool
+        elif config.num_blocks is not None:
             self.pool = KVPool(layout, config.num_blocks, config.device)
         else:
             self.pool = KVPool.from_budget(layout, config.kv_cache_bytes, config.device)
@@ -68,7 +77,9 @@ class Engine:
                 layout.dtype,
                 disk,
             )
-        salt = (tokenizer.fingerprint if tokenizer else repr(model_cfg)).encode()
+        # Block hashes must agree across replicas and with the router: salt them with the
+        # tokenizer's fingerprint (same ids mean the same text) unless told otherwise.
+        salt = kv_salt or (tokenizer.fingerprint if tokenizer else repr(model_cfg)).encode()
         self.blocks = BlockManager(
             self.pool.num_blocks,
             config.block_size,
@@ -145,6 +156,70 @@ class Engine:
                 f"prompt + max_tokens needs {total_blocks} KV blocks but this replica has only "
                 f"{self.blocks.num_blocks}",
             )
+
+    def reserve_blocks(self, num_tokens: int) -> BlockTable | None:
+        """Decode role: blocks for a prompt whose KV a prefill replica will push here."""
+        return self.blocks.allocate_fresh(num_tokens)
+
+    def free_reserved(self, table: BlockTable) -> None:
+        self.blocks.free(table)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        table: BlockTable,
+        params: SamplingParams,
+        priority: int = 1,
+        num_cached_tokens: int = 0,
+    ) -> str:
+        """Decode role: continue a request whose prompt KV is already in `table` (pushed by a
+        prefill replica) and whose first token was sampled there."""
+        if request_id in self.sequences:
+            self.blocks.free(table)
+            raise RequestError("request_id", f"request id '{request_id}' is already in use")
+        try:
+            self.validate(prompt_token_ids, params)
+        except RequestError:
+            self.blocks.free(table)
+            raise
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            generator=make_generator(params.seed, self.config.device),
+            output_token_ids=[first_token],
+            table=table,
+            num_computed_tokens=len(prompt_token_ids),
+            num_cached_prompt_tokens=num_cached_tokens,
+        )
+        # The pushed KV is now ours: register its full blocks so later turns reuse them.
+        self.blocks.commit_full_blocks(table, prompt_token_ids)
+        self.sequences[request_id] = seq
+        if self.tokenizer is not None:
+            tracker = TextTracker(IncrementalDetokenizer(self.tokenizer), params.stop)
+            tracker.feed([first_token])  # already streamed by the prefill side
+            self._text[request_id] = tracker
+        self.scheduler.admit_running(seq)
+        return request_id
+
+    def load(self) -> dict[str, int]:
+        """What the router weighs: queued prefill work and live KV."""
+        sched = self.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "queued_prefill_tokens": sum(
+                s.num_pending_tokens
+                for s in sched.waiting + sched.running
+                if s.num_pending_tokens > 1
+            ),
+            "active_kv_tokens": sum(s.num_tokens for s in sched.running),
+            "free_blocks": self.blocks.num_available_blocks,
+            "total_blocks": self.blocks.num_blocks,
+        }
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

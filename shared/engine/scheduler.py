@@ -57,6 +57,11 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
+    def admit_running(self, seq: Sequence) -> None:
+        """A sequence that arrives with its KV in place (pushed by a prefill replica)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and give back its blocks (finish or abort)."""
         if seq in self.running:

@@ -141,6 +141,13 @@ class BlockManager:
             tiers.append(tier)
         return PrefixMatch(self.block_size, tuple(hashes), tuple(tiers))
 
+    def cached_hashes(self) -> dict[str, list[int]]:
+        """Every block hash held per tier: what a router rebuilds its index from on resync."""
+        out = {"device": self._device.cached_hashes(), "host": [], "disk": []}
+        if self.host_tier is not None:
+            out.update(self.host_tier.cached_hashes())
+        return out
+
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Leading full blocks of ``token_ids`` cached in any tier; changes nothing."""
         return self._match(token_ids, len(token_ids) // self.block_size)
@@ -180,6 +187,20 @@ class BlockManager:
         self.stats.host_hit_blocks += match.num_host_blocks
         self.stats.disk_hit_blocks += match.num_disk_blocks
         return Allocation(table, match)
+
+    def allocate_fresh(self, num_tokens: int) -> BlockTable | None:
+        """Private, unhashed blocks for KV that arrives from elsewhere (a prefill replica);
+        None (no change) if short. Commit them once the KV has landed."""
+        if num_tokens <= 0:
+            raise ValueError(f"allocate_fresh needs num_tokens > 0, got {num_tokens}")
+        total = _blocks_for(num_tokens, self.block_size)
+        if total > self._device.num_available:
+            return None
+        table = BlockTable(
+            self._new_id(), self.block_size, self._device.acquire_fresh(total), num_tokens, []
+        )
+        self._tables[table.table_id] = table
+        return table
 
     def append_slots(self, table: BlockTable, new_num_tokens: int) -> bool:
         """Grow ``table`` to hold ``new_num_tokens``; False (no change) if blocks are short."""

@@ -61,6 +61,9 @@ class DeviceBlocks:
         """Blocks that can be handed out now, evicting cached ones if needed."""
         return len(self._free) + len(self._idle)
 
+    def cached_hashes(self) -> list[int]:
+        return list(self._hash_to_block)
+
     def lookup(self, block_hash: int) -> int | None:
         return self._hash_to_block.get(block_hash)
 

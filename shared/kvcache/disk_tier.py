@@ -39,6 +39,9 @@ class DiskTier:
         self._events: KVEventLog | None = None
         self.stats = TierStats()
 
+    def cached_hashes(self) -> list[int]:
+        return list(self._lru)
+
     def attach_events(self, events: KVEventLog) -> None:
         self._events = events
 

@@ -77,6 +77,13 @@ class HostTier:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._lru
 
+    def cached_hashes(self) -> dict[str, list[int]]:
+        """Every hash this tier (and its disk tier) holds, for a router resync snapshot."""
+        out = {"host": list(self._lru)}
+        if self.disk is not None:
+            out["disk"] = self.disk.cached_hashes()
+        return out
+
     def locate(self, block_hash: int) -> Literal["host", "disk"] | None:
         """Which tier below the device holds a block; does not count as a use."""
         if block_hash in self._lru:

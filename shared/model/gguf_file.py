@@ -82,19 +82,7 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def read_gguf(path: str | os.PathLike) -> Checkpoint:
-    import gguf  # imported here: loading HF checkpoints must not need it
-
-    path = str(path)
-    if not os.path.isfile(path):
-        raise ModelFileError(path, "model file does not exist")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
-        raise ModelFileError(
-            path, f"not a readable GGUF file (truncated or corrupt?): {exc}"
-        ) from exc
-
+def _config(reader, path: str) -> ModelConfig:
     arch = _require(reader, path, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(
@@ -119,7 +107,7 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
         vocab = len(tokens.data) if tokens is not None else embd.shape[-1] if embd else None
     if vocab is None:
         raise ModelFileError(path, "cannot tell the vocabulary size")
-    config = ModelConfig(
+    return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_require(reader, path, f"{arch}.feed_forward_length")),
@@ -132,6 +120,33 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
         tie_embeddings="output.weight" not in names,
     )
 
+
+def _open(path: str):
+    import gguf  # imported here: loading HF checkpoints must not need it
+
+    if not os.path.isfile(path):
+        raise ModelFileError(path, "model file does not exist")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
+        raise ModelFileError(
+            path, f"not a readable GGUF file (truncated or corrupt?): {exc}"
+        ) from exc
+
+
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """Only the hyper-parameters (tensors stay on disk): for processes that never run it."""
+    path = str(path)
+    return _config(_open(path), path)
+
+
+def read_gguf(path: str | os.PathLike) -> Checkpoint:
+    import gguf
+
+    path = str(path)
+    reader = _open(path)
+    config = _config(reader, path)
+    n_heads, n_kv = config.num_heads, config.num_kv_heads
     tensors: dict[str, torch.Tensor] = {}
     q4_1: dict[str, np.ndarray] = {}
     file_size = os.path.getsize(path)

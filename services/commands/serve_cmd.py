@@ -1,0 +1,107 @@
+"""`splitserve serve …` (one service in the foreground, what a pod runs) and `splitserve up`."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands.common import fail
+
+SERVICES = ("coordinator", "prefill", "decode", "both")
+
+
+def add_commands(sub) -> None:
+    up = sub.add_parser("up", help="run a whole deployment on this machine (coordinator + workers)")
+    up.add_argument("--config", default=None, help="deployment config YAML (default: built-in)")
+    up.add_argument(
+        "--port", type=_port, default=None, help="coordinator HTTP port (0: pick a free one)"
+    )
+    up.add_argument(
+        "--startup-timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="give up if the stack is not ready by then (default: 300)",
+    )
+    up.set_defaults(handler=run_up)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground (what a pod runs)")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("--config", required=True, help="deployment config YAML")
+    serve.add_argument(
+        "--model-id", default=None, help="model this worker serves (needed if several)"
+    )
+    serve.add_argument(
+        "--index", type=_non_negative_int, default=0, help="replica number within its role"
+    )
+    serve.set_defaults(handler=run_serve)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from services.launcher.up import run_up as launch
+    from shared.config.schema import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return fail(str(exc))
+    if args.port is not None:
+        coordinator = config.coordinator.model_copy(update={"port": args.port})
+        config = config.model_copy(update={"coordinator": coordinator})
+    return launch(config, args.startup_timeout)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from shared.config.schema import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return fail(str(exc))
+    if args.service == "coordinator":
+        from services.coordinator.server import run_coordinator
+
+        run_coordinator(config)
+        return 0
+    ids = [m.id for m in config.models]
+    model_id = args.model_id
+    if model_id is None:
+        if len(ids) > 1:
+            return fail(f"--model-id is required: {args.config} serves {', '.join(ids)}")
+        model_id = ids[0]
+    if model_id not in ids:
+        return fail(f"--model-id {model_id!r} is not in {args.config} (models: {', '.join(ids)})")
+    from services.worker.server import run_worker
+
+    run_worker(config, model_id, args.service, args.index)
+    return 0
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not positive")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None

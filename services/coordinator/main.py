@@ -1,0 +1,106 @@
+"""The coordinator process: the OpenAI HTTP API and the worker registry, on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from services.coordinator.app import create_app
+from services.coordinator.backend import ModelInfo
+from services.coordinator.grpc_backend import GrpcBackend, reap_forever
+from services.coordinator.registry import WorkerRegistry
+from services.coordinator.registry_service import RegistryService
+from services.coordinator.settings import APISettings
+from shared.config.schema import ConfigError, DeploymentConfig
+from shared.model.gguf_file import read_gguf_config
+from shared.model.loader import default_model_path
+from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def model_infos(config: DeploymentConfig) -> list[ModelInfo]:
+    infos = []
+    for m in config.models:
+        path = m.path or default_model_path()
+        if os.path.isdir(path):
+            raise ConfigError(
+                f"models[{m.id}].path: the coordinator needs a GGUF file (it reads the tokenizer "
+                "from it); Hugging Face folders are served by the engine CLI only"
+            )
+        model_cfg = read_gguf_config(path)
+        context = min(m.max_model_len or model_cfg.max_position, model_cfg.max_position)
+        tokenizer = Tokenizer.from_gguf(path)
+        infos.append(
+            ModelInfo(
+                id=m.id,
+                context_length=context,
+                tokenizer=tokenizer,
+                fingerprint=f"fp_{tokenizer.fingerprint[:10]}_{m.weights}",
+            )
+        )
+    return infos
+
+
+def api_keys(config: DeploymentConfig) -> tuple[str, ...]:
+    path = config.coordinator.api_keys_file
+    if not path:
+        return ()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"coordinator.api_keys_file: cannot read {path}: {exc}") from exc
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    if not keys:
+        raise ConfigError(f"coordinator.api_keys_file: {path} holds no keys")
+    return keys
+
+
+async def serve_coordinator(config: DeploymentConfig) -> None:
+    infos = model_infos(config)
+    registry = WorkerRegistry(config, {i.id: i.tokenizer.fingerprint for i in infos})
+    grpc_server = grpc.aio.server()
+    pb_grpc.add_RegistryServicer_to_server(RegistryService(registry), grpc_server)
+    c = config.coordinator
+    grpc_server.add_insecure_port(f"{c.host}:{c.registry_port}")
+    await grpc_server.start()
+    backend = GrpcBackend(registry, infos, config.transfer.deadline_s)
+    settings = APISettings(
+        model_id=config.models[0].id,
+        max_body_bytes=c.max_body_bytes,
+        max_tokens_limit=c.max_tokens_limit,
+        default_max_tokens=min(c.default_max_tokens, c.max_tokens_limit),
+        api_keys=api_keys(config),
+    )
+    app = create_app(backend, settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=c.host, port=c.port, log_level="warning", lifespan="on")
+    )
+    server.install_signal_handlers = lambda: None  # we own SIGTERM: drain, then stop
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    reaper = asyncio.create_task(reap_forever(registry, c.heartbeat_interval_s))
+    log.info(
+        "coordinator: HTTP on %s:%s, registry on %s:%s", c.host, c.port, c.host, c.registry_port
+    )
+    try:
+        await server.serve()
+    finally:
+        reaper.cancel()
+        await grpc_server.stop(grace=2.0)
+        await backend.close()
+
+
+def run_coordinator(config: DeploymentConfig) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
+    )
+    asyncio.run(serve_coordinator(config))

@@ -1,0 +1,178 @@
+"""The coordinator's view of the fleet: who registered, their load, who is alive, and which
+KV blocks each replica holds (fed by the workers' KV events)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from shared.config.schema import DeploymentConfig
+
+
+@dataclass
+class WorkerLoad:
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    active_kv_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    model: str
+    address: str
+    transfer_agent: str
+    max_model_len: int
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    in_flight: int = 0  # requests this coordinator has routed there and not yet seen end
+    kv_event_seq: int = 0
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+class RegistrationError(ValueError):
+    pass
+
+
+class WorkerRegistry:
+    def __init__(self, config: DeploymentConfig, tokenizer_fingerprints: dict[str, str]):
+        self.config = config
+        self.fingerprints = tokenizer_fingerprints
+        self.workers: dict[str, WorkerInfo] = {}
+        # block hash -> {worker_id: tier}; what the KV-aware router scores prefixes with.
+        self.kv_index: dict[int, dict[str, str]] = defaultdict(dict)
+        self._held: dict[str, dict[int, str]] = defaultdict(dict)  # worker -> hash -> tier
+
+    # -- membership ----------------------------------------------------------------------
+
+    def check(self, model: str, fingerprint: str, block_size: int, role: str) -> None:
+        """Refuse a worker that would disagree with the router; the message names what."""
+        try:
+            self.config.model(model)
+        except KeyError:
+            known = ", ".join(m.id for m in self.config.models)
+            raise RegistrationError(
+                f"model '{model}' is not in the coordinator's config ({known})"
+            ) from None
+        if block_size != self.config.block_size:
+            raise RegistrationError(
+                f"block_size {block_size} differs from the coordinator's {self.config.block_size}"
+            )
+        expected = self.fingerprints.get(model, "")
+        if expected and fingerprint != expected:
+            raise RegistrationError(
+                f"tokenizer fingerprint {fingerprint[:12]}… differs from the coordinator's "
+                f"{expected[:12]}… for model '{model}'"
+            )
+        if role not in ("prefill", "decode", "both"):
+            raise RegistrationError(f"unknown role '{role}'")
+
+    def register(self, info: WorkerInfo) -> None:
+        self.drop_kv(info.worker_id)
+        self.workers[info.worker_id] = info
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+        info = self.workers.get(worker_id)
+        if info is None or not info.alive:
+            return False
+        info.load = load
+        info.last_seen = time.monotonic()
+        return True
+
+    def mark_dead(self, worker_id: str, reason: str = "") -> None:
+        info = self.workers.get(worker_id)
+        if info is not None and info.alive:
+            info.alive = False
+            info.dead_reason = reason  # type: ignore[attr-defined]
+        self.drop_kv(worker_id)
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Workers silent for longer than the heartbeat timeout leave the pool."""
+        now = time.monotonic() if now is None else now
+        timeout = self.config.coordinator.heartbeat_timeout_s
+        dead = [
+            w.worker_id for w in self.workers.values() if w.alive and now - w.last_seen > timeout
+        ]
+        for worker_id in dead:
+            self.mark_dead(worker_id, "missed heartbeats")
+        return dead
+
+    def alive(
+        self, model: str, *, prefill: bool | None = None, decode: bool | None = None
+    ) -> list[WorkerInfo]:
+        out = []
+        for w in self.workers.values():
+            if not w.alive or w.model != model:
+                continue
+            if prefill is not None and w.can_prefill != prefill and w.role != "both":
+                continue
+            if decode is not None and w.can_decode != decode and w.role != "both":
+                continue
+            out.append(w)
+        return out
+
+    def expected_count(self, model: str) -> int:
+        p = self.config.model(model).pools
+        return p.prefill + p.decode + p.both
+
+    def is_ready(self) -> bool:
+        return all(len(self.alive(m.id)) >= self.expected_count(m.id) for m in self.config.models)
+
+    # -- KV index ------------------------------------------------------------------------
+
+    def apply_events(
+        self, worker_id: str, events: list[tuple[str, list[int], str, int]], snapshot: bool
+    ) -> None:
+        if snapshot:
+            self.drop_kv(worker_id)
+        held = self._held[worker_id]
+        for kind, hashes, tier, seq in events:
+            for h in hashes:
+                if kind == "stored":
+                    held[h] = tier
+                    self.kv_index[h][worker_id] = tier
+                elif held.get(h) == tier:
+                    del held[h]
+                    self.kv_index[h].pop(worker_id, None)
+                    if not self.kv_index[h]:
+                        del self.kv_index[h]
+            info = self.workers.get(worker_id)
+            if info is not None:
+                info.kv_event_seq = max(info.kv_event_seq, seq)
+
+    def drop_kv(self, worker_id: str) -> None:
+        for h in self._held.pop(worker_id, {}):
+            holders = self.kv_index.get(h)
+            if holders is not None:
+                holders.pop(worker_id, None)
+                if not holders:
+                    del self.kv_index[h]
+
+    def cached_prefix_blocks(
+        self, worker_id: str, block_hashes: list[int]
+    ) -> tuple[int, str | None]:
+        """Leading blocks of a prompt this worker holds, and the slowest tier among them."""
+        n = 0
+        worst = None
+        order = {"device": 0, "host": 1, "disk": 2}
+        for h in block_hashes:
+            tier = self.kv_index.get(h, {}).get(worker_id)
+            if tier is None:
+                break
+            n += 1
+            if worst is None or order[tier] > order[worst]:
+                worst = tier
+        return n, worst

@@ -1,0 +1,78 @@
+"""The Registry gRPC service: registration, heartbeats and KV events, into a WorkerRegistry."""
+
+from __future__ import annotations
+
+import logging
+
+from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerLoad, WorkerRegistry
+from shared.proto_gen import worker_pb2 as pb
+from shared.proto_gen import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def load_from_proto(m: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        running=m.running,
+        waiting=m.waiting,
+        queued_prefill_tokens=m.queued_prefill_tokens,
+        active_kv_tokens=m.active_kv_tokens,
+        free_blocks=m.free_blocks,
+        total_blocks=m.total_blocks,
+    )
+
+
+class RegistryService(pb_grpc.RegistryServicer):
+    def __init__(self, registry: WorkerRegistry):
+        self.registry = registry
+
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        try:
+            self.registry.check(
+                request.model, request.tokenizer_fingerprint, request.block_size, request.role
+            )
+        except RegistrationError as exc:
+            log.warning("refused worker %s: %s", request.worker_id, exc)
+            return pb.RegisterResponse(accepted=False, reason=str(exc))
+        self.registry.register(
+            WorkerInfo(
+                worker_id=request.worker_id,
+                role=request.role,
+                model=request.model,
+                address=request.address,
+                transfer_agent=request.transfer_agent.decode(),
+                max_model_len=request.max_model_len,
+                load=load_from_proto(request.load),
+            )
+        )
+        log.info(
+            "registered %s (%s, %s) at %s",
+            request.worker_id,
+            request.role,
+            request.model,
+            request.address,
+        )
+        return pb.RegisterResponse(
+            accepted=True,
+            heartbeat_interval_s=self.registry.config.coordinator.heartbeat_interval_s,
+        )
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        known = self.registry.heartbeat(request.worker_id, load_from_proto(request.load))
+        if not known:
+            return pb.HeartbeatResponse(known=False)
+        info = self.registry.workers[request.worker_id]
+        # A worker that published further than we applied lost events in flight: resync.
+        resync = info.kv_event_seq + 1 if request.kv_event_seq > info.kv_event_seq else 0
+        return pb.HeartbeatResponse(known=True, resync_from_seq=resync)
+
+    async def PublishKVEvents(self, request_iterator, context) -> pb.KVEventAck:
+        last = 0
+        async for batch in request_iterator:
+            if batch.worker_id not in self.registry.workers:
+                continue
+            events = [(e.kind, list(e.block_hashes), e.tier, e.seq) for e in batch.events]
+            self.registry.apply_events(batch.worker_id, events, batch.snapshot)
+            if batch.events:
+                last = max(last, max(e.seq for e in batch.events))
+        return pb.KVEventAck(last_seq=last)

@@ -1,0 +1,20 @@
+"""The local launcher: `splitserve up` and the Python API behind it.
+
+`start_local_stack(config)` starts the coordinator and every worker as separate processes and
+returns a `LocalStack` once the coordinator reports ready.
+"""
+
+from services.launcher.processes import ProcessGroup, ServiceDied, ServiceProcess, ServiceSpec
+from services.launcher.readiness import StartupCancelled, StartupTimeout
+from services.launcher.stack import LocalStack, start_local_stack
+
+__all__ = [
+    "LocalStack",
+    "ProcessGroup",
+    "ServiceDied",
+    "ServiceProcess",
+    "ServiceSpec",
+    "StartupCancelled",
+    "StartupTimeout",
+    "start_local_stack",
+]

@@ -1,0 +1,203 @@
+"""A whole deployment on one machine: the coordinator and every worker as separate processes.
+
+`start_local_stack` is what `splitserve up` runs, and what tests and benchmarks use to compare
+deployments (e.g. two `both` replicas against one prefill and one decode replica).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import services
+from services.launcher.ports import resolve_ports
+from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
+from services.launcher.readiness import wait_until_ready
+from shared.config.schema import DeploymentConfig, RoleName, dump_config
+
+COORDINATOR = "coordinator"
+_ROLES: tuple[RoleName, ...] = ("prefill", "decode", "both")
+_ANY_ADDRESS = {"", "0.0.0.0", "::"}
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """One worker process of the stack. Names are `prefill-0`; `<model>/prefill-0` if several."""
+
+    model_id: str
+    role: RoleName
+    index: int
+    name: str
+
+
+def worker_slots(config: DeploymentConfig) -> list[WorkerSlot]:
+    several = len(config.models) > 1
+    slots = []
+    for model in config.models:
+        for role in _ROLES:
+            for index in range(getattr(model.pools, role)):
+                name = f"{role}-{index}"
+                slots.append(
+                    WorkerSlot(model.id, role, index, f"{model.id}/{name}" if several else name)
+                )
+    return slots
+
+
+def available_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # honours taskset / cpuset limits, unlike cpu_count
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def default_threads(config: DeploymentConfig, cpus: int | None = None) -> int:
+    """Torch threads per worker when the config leaves them unset: the cores, shared out."""
+    return max(1, (cpus or available_cpus()) // max(1, config.num_workers))
+
+
+def resolve_config(config: DeploymentConfig, cpus: int | None = None) -> DeploymentConfig:
+    """Fill in what the config leaves to the launcher: free ports and per-worker threads.
+
+    The result is written to the file every child reads, so nothing below the launcher has to
+    guess (or re-read the environment) to get the same answer.
+    """
+    config = resolve_ports(config, _connect_host(config.coordinator.host))
+    threads = default_threads(config, cpus)
+    models = [
+        m
+        if m.worker.threads is not None
+        else m.model_copy(update={"worker": m.worker.model_copy(update={"threads": threads})})
+        for m in config.models
+    ]
+    return config.model_copy(update={"models": models})
+
+
+def service_specs(config: DeploymentConfig, config_path: Path) -> list[ServiceSpec]:
+    """The coordinator first, then every worker; `config` must already be resolved."""
+    base = [sys.executable, "-m", "services.cli", "serve"]
+    threads = {m.id: m.worker.threads or default_threads(config) for m in config.models}
+    # The coordinator does no tensor work; it only has to stay out of the workers' cores.
+    coordinator_env = _child_env(min(threads.values()))
+    specs = [
+        ServiceSpec(
+            COORDINATOR,
+            [*base, COORDINATOR, "--config", str(config_path)],
+            coordinator_env,
+            stop_last=True,
+        )
+    ]
+    for slot in worker_slots(config):
+        argv = [*base, slot.role, "--config", str(config_path)]
+        argv += ["--model-id", slot.model_id, "--index", str(slot.index)]
+        specs.append(ServiceSpec(slot.name, argv, _child_env(threads[slot.model_id])))
+    return specs
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    # Workers share the machine: an OpenMP pool sized to every core in each of them
+    # oversubscribes small machines badly (measured: torch ops 100x slower).
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    # `-m services.cli` must resolve to this checkout even when the launcher runs elsewhere.
+    root = str(Path(services.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in _ANY_ADDRESS else host
+
+
+def default_run_dir() -> Path:
+    """A fresh `splitserve-<pid>-*` folder under $XDG_RUNTIME_DIR, or the temp dir."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = runtime if runtime and os.access(runtime, os.W_OK) else tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix=f"splitserve-{os.getpid()}-", dir=base))
+
+
+class LocalStack:
+    """A running local deployment. Use as a context manager, or call `stop()`."""
+
+    def __init__(
+        self, config: DeploymentConfig, run_dir: Path, config_path: Path, group: ProcessGroup
+    ):
+        self.config = config  # resolved: real ports, threads filled in
+        self.run_dir = run_dir
+        self.config_path = config_path
+        self.group = group
+        self.workers = worker_slots(config)
+        self._stopped = False
+
+    @property
+    def host(self) -> str:
+        return _connect_host(self.config.coordinator.host)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1."""
+        return f"http://{self.host}:{self.config.coordinator.port}/v1"
+
+    @property
+    def ready_url(self) -> str:
+        return f"http://{self.host}:{self.config.coordinator.port}/ready"
+
+    @property
+    def registry_address(self) -> str:
+        return f"{self.host}:{self.config.coordinator.registry_port}"
+
+    @property
+    def processes(self) -> dict[str, ServiceProcess]:
+        return self.group.processes
+
+    def check_alive(self) -> None:
+        """Raise ServiceDied if any service has exited."""
+        self.group.check_alive()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM workers, then the coordinator; SIGKILL what is left after `grace_s`."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.group.stop(grace_s)
+        finally:
+            self.config_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_local_stack(
+    config: DeploymentConfig,
+    startup_timeout_s: float = 300.0,
+    *,
+    run_dir: Path | None = None,
+    echo: TextIO | None = None,
+    cancel: threading.Event | None = None,
+) -> LocalStack:
+    """Start every service of `config` and return once the coordinator reports ready.
+
+    Logs go to `<run_dir>/<service>.log` (and to `echo`, prefixed, if given). If a service
+    exits first, the timeout passes, or `cancel` is set, everything is stopped and
+    ServiceDied / StartupTimeout / StartupCancelled is raised.
+    """
+    resolved = resolve_config(config)
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(dump_config(resolved))
+    stack = LocalStack(resolved, run_dir, config_path, ProcessGroup(run_dir, echo))
+    try:
+        for spec in service_specs(resolved, config_path):
+            stack.group.start(spec)
+        wait_until_ready(stack.ready_url, stack.group, startup_timeout_s, cancel=cancel)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

@@ -1,0 +1,128 @@
+"""The prefill role: compute a prompt's KV in chunks, sample the first token, push the KV to
+the decode replica the coordinator chose, and give the blocks back (they stay in the prefix
+cache, so the next turn of the conversation reuses them)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from services.kvtransfer.control_client import (
+    ControlPlaneError,
+    KvTransferControlClient,
+    push_blocks,
+)
+from services.kvtransfer.types import TransferError
+from services.worker.convert import logprob_to_proto, params_from_proto, prompt_logprobs_to_proto
+from services.worker.runtime import WorkerRuntime
+from shared.engine.engine import RequestError
+from shared.proto_gen import worker_pb2 as pb
+from shared.sampling.params import SamplingParamError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService:
+    def __init__(self, runtime: WorkerRuntime):
+        self.runtime = runtime
+        self._clients: dict[str, KvTransferControlClient] = {}
+
+    def _client(self, address: str) -> KvTransferControlClient:
+        if address not in self._clients:
+            self._clients[address] = KvTransferControlClient(address)
+        return self._clients[address]
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+    async def prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:
+        spec = request.spec
+        rid = spec.request_id
+        try:
+            params = params_from_proto(spec.sampling)
+        except SamplingParamError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        push = bool(request.destination.control_address)
+        prompt = list(spec.prompt_token_ids)
+        start = time.perf_counter()
+
+        def add(engine) -> str:
+            return engine.add_request(
+                prompt,
+                params,
+                request_id=rid,
+                priority=spec.priority,
+                prompt_logprobs=spec.prompt_logprobs,
+                keep_kv=True,
+                max_new_tokens=1,
+            )
+
+        first = None
+        try:
+            async for out in self.runtime.async_engine.generate(add):
+                first = out
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.param}: {exc}")
+        assert first is not None and first.new_token_ids, "prefill produced no token"
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        token = first.new_token_ids[0]
+        finished = first.finish_reason == "stop" or params.max_tokens <= 1
+        response = pb.PrefillResponse(
+            first_token=token,
+            prompt_logprobs=prompt_logprobs_to_proto(first.prompt_logprobs),
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            prefill_ms=prefill_ms,
+            finished=finished,
+            finish_reason=(first.finish_reason or "") if finished else "",
+            replica=self.runtime.worker_id,
+        )
+        if first.logprobs:
+            response.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
+            response.has_logprob = True
+        if not push or finished:
+            self.runtime.async_engine.post(lambda e: e.release(rid))
+            response.transfer.status = "skipped"
+            return response
+        response.transfer.CopyFrom(await self._push(rid, request.destination))
+        return response
+
+    async def _push(self, rid: str, dest: pb.KVDestination) -> pb.TransferOutcome:
+        engine = self.runtime.async_engine
+        block_ids = await engine.call(lambda e: list(e.sequences[rid].table.block_ids))
+        released = False
+
+        def release(_state) -> None:
+            nonlocal released
+            released = True
+            engine.post(lambda e: e.release(rid))
+
+        start = time.perf_counter()
+        outcome = pb.TransferOutcome(backend=self.runtime.transfer_kind, num_blocks=len(block_ids))
+        try:
+            result = await push_blocks(
+                self._client(dest.control_address),
+                self.runtime.transfer,
+                rid,
+                block_ids,
+                deadline_s=dest.deadline_s or self.runtime.config.transfer.deadline_s,
+                on_release=release,
+            )
+            outcome.status = result.receiver_state.value
+            outcome.error = result.error
+            if result.receiver_state.value == "done":
+                outcome.nbytes = len(block_ids) * self.runtime.engine.pool.layout.block_bytes
+        except (ControlPlaneError, TransferError, OSError) as exc:
+            log.warning("KV push of %s failed: %s", rid, exc)
+            outcome.status = "failed"
+            outcome.error = str(exc)
+        finally:
+            if not released:
+                engine.post(lambda e: e.release(rid))
+        outcome.seconds = time.perf_counter() - start
+        return outcome

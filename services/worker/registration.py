@@ -1,0 +1,156 @@
+"""A worker's side of the registry: register, heartbeat with load, publish KV events.
+
+Registration is refused when the worker's model, tokenizer or block size disagree with the
+coordinator's config; the worker then exits with the coordinator's reason. A heartbeat the
+coordinator does not know (it restarted) triggers a new registration and a full snapshot of
+the cached blocks; a reported gap in event sequence numbers triggers a snapshot too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+
+import grpc
+
+from services.worker.runtime import WorkerRuntime
+from shared.kvcache.events import KVEvent
+from shared.proto_gen import worker_pb2 as pb
+from shared.proto_gen import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationRefused(RuntimeError):
+    pass
+
+
+def load_proto(runtime: WorkerRuntime) -> pb.WorkerLoad:
+    # Read without the engine thread's lock: counts may be one step stale, which is fine
+    # for routing (they are a hint, refreshed every heartbeat).
+    try:
+        load = runtime.engine.load()
+    except RuntimeError:  # a list changed size under us mid-step; report next time
+        return pb.WorkerLoad()
+    return pb.WorkerLoad(**load)
+
+
+class RegistryClient:
+    def __init__(self, runtime: WorkerRuntime, registry_address: str, worker_address: str):
+        self.runtime = runtime
+        self.worker_address = worker_address
+        self._channel = grpc.aio.insecure_channel(registry_address)
+        self._stub = pb_grpc.RegistryStub(self._channel)
+        self.interval_s = runtime.config.coordinator.heartbeat_interval_s
+        self._last_seq = 0
+
+    def _register_request(self) -> pb.RegisterRequest:
+        rt = self.runtime
+        # Peers exchange full agent metadata over the kvtransfer control plane; the
+        # registry only needs to know who is who.
+        agent_name = rt.transfer.metadata.agent_name
+        return pb.RegisterRequest(
+            worker_id=rt.worker_id,
+            role=rt.role,
+            model=rt.model_cfg.id,
+            tokenizer_fingerprint=rt.tokenizer_fingerprint,
+            block_size=rt.config.block_size,
+            address=self.worker_address,
+            max_model_len=rt.engine.max_model_len,
+            load=load_proto(rt),
+            transfer_backend=rt.transfer_kind,
+            transfer_agent=agent_name.encode(),
+            weights=rt.model_cfg.weights,
+        )
+
+    async def register(self, attempts: int = 600) -> None:
+        """Retry until the coordinator answers (it may start after us); refusal is final."""
+        for _ in range(attempts):
+            try:
+                resp = await self._stub.Register(self._register_request(), timeout=5.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    await asyncio.sleep(0.2)
+                    continue
+                raise
+            if not resp.accepted:
+                raise RegistrationRefused(resp.reason)
+            self.interval_s = resp.heartbeat_interval_s or self.interval_s
+            await self.publish_snapshot()
+            log.info("registered %s with the coordinator", self.runtime.worker_id)
+            return
+        raise RegistrationRefused("the coordinator's registry never answered")
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.publish_pending()
+            try:
+                resp = await self._stub.Heartbeat(
+                    pb.HeartbeatRequest(
+                        worker_id=self.runtime.worker_id,
+                        load=load_proto(self.runtime),
+                        kv_event_seq=self._last_seq,
+                    ),
+                    timeout=max(1.0, self.interval_s),
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("heartbeat failed: %s", exc.details())
+                continue
+            if not resp.known:
+                await self.register()
+            elif resp.resync_from_seq:
+                await self.publish_snapshot()
+
+    def _drain(self) -> list[KVEvent]:
+        events = []
+        while True:
+            try:
+                events.append(self.runtime.kv_events.get_nowait())
+            except queue.Empty:
+                return events
+
+    async def publish_pending(self) -> None:
+        events = self._drain()
+        if not events:
+            return
+        batch = pb.KVEventBatch(
+            worker_id=self.runtime.worker_id,
+            events=[
+                pb.KVEvent(kind=e.kind, block_hashes=e.block_hashes, tier=e.tier, seq=e.seq)
+                for e in events
+            ],
+        )
+        await self._send([batch])
+        self._last_seq = events[-1].seq
+
+    async def publish_snapshot(self) -> None:
+        """Everything cached, per tier, replacing what the coordinator knew about us."""
+        self._drain()  # superseded by the snapshot
+        cached = await self.runtime.async_engine.call(lambda e: e.blocks.cached_hashes())
+        seq = self.runtime.engine.blocks.events.last_seq
+        batch = pb.KVEventBatch(
+            worker_id=self.runtime.worker_id,
+            snapshot=True,
+            events=[
+                pb.KVEvent(kind="stored", block_hashes=hashes, tier=tier, seq=seq)
+                for tier, hashes in cached.items()
+                if hashes or tier == "device"  # one event even when empty: it carries seq
+            ],
+        )
+        await self._send([batch])
+        self._last_seq = seq
+
+    async def _send(self, batches: list[pb.KVEventBatch]) -> None:
+        async def stream():
+            for b in batches:
+                yield b
+
+        try:
+            await self._stub.PublishKVEvents(stream(), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("publishing KV events failed: %s", exc.details())
+
+    async def close(self) -> None:
+        await self._channel.close()

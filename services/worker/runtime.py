@@ -1,0 +1,120 @@
+"""Everything one worker process owns: the engine on its thread, the KV pool, the transfer
+agent, and KV that arrived from a prefill replica but whose Decode call has not come yet."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import time
+from dataclasses import dataclass
+
+from services.kvtransfer.factory import create_backend, create_pool
+from services.kvtransfer.interface import TransferBackend
+from shared.config.schema import DeploymentConfig, ModelDeployment
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.kvcache.events import KVEvent
+from shared.kvcache.tables import BlockTable
+from shared.model.llama import LlamaModel
+from shared.model.loader import default_model_path, read_checkpoint
+from shared.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# KV pushed here is kept this long for its Decode call; then its blocks go back.
+PARKED_KV_TTL_S = 30.0
+
+
+@dataclass
+class ParkedKV:
+    table: BlockTable
+    expires_at: float
+
+
+class WorkerRuntime:
+    def __init__(self, config: DeploymentConfig, model_id: str, role: str, index: int):
+        self.config = config
+        self.model_cfg: ModelDeployment = config.model(model_id)
+        self.role = role
+        self.worker_id = f"{model_id}-{role}-{index}-{os.getpid()}"
+        path = self.model_cfg.path or default_model_path()
+        worker = self.model_cfg.worker
+        threads = worker.threads or max(1, (os.cpu_count() or 1) // max(1, config.num_workers))
+        self.engine_config = EngineConfig(
+            model=path,
+            weights=self.model_cfg.weights,
+            role=role,  # type: ignore[arg-type]
+            block_size=config.block_size,
+            kv_cache_bytes=worker.kv_cache_bytes,
+            host_cache_bytes=worker.host_cache_bytes,
+            disk_cache_dir=worker.disk_cache_dir,
+            disk_cache_bytes=worker.disk_cache_bytes,
+            max_num_batched_tokens=worker.max_num_batched_tokens,
+            max_num_seqs=worker.max_num_seqs,
+            max_model_len=self.model_cfg.max_model_len,
+            preemption_mode=worker.preemption_mode,
+            num_threads=threads,
+        )
+        self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
+        model = LlamaModel(read_checkpoint(path), weights=self.model_cfg.weights)
+        layout = model.kv_layout(config.block_size)
+        num_blocks = worker.kv_cache_bytes // layout.block_bytes
+        self.transfer_kind = config.transfer.backend
+        pool = create_pool(
+            self.transfer_kind if self.transfer_kind != "fake" else "tcp", layout, num_blocks
+        )
+        self.kv_events: queue.Queue[KVEvent] = queue.Queue()
+        # The engine has no tokenizer on purpose: the coordinator owns text (stop strings,
+        # detokenization); workers deal in token ids.
+        self.engine = Engine(
+            self.engine_config,
+            model=model,
+            event_sink=self.kv_events.put,
+            pool=pool,
+            kv_salt=self.tokenizer_fingerprint.encode() or None,
+        )
+        self.async_engine = AsyncEngine(self.engine)
+        self.transfer: TransferBackend = create_backend(self.transfer_kind, self.worker_id)
+        self.transfer.register_pool(pool)
+        self.parked: dict[str, ParkedKV] = {}
+        self.started_at = time.time()
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.tokenizer.fingerprint if self.tokenizer else ""
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    async def stop(self) -> None:
+        for request_id in list(self.parked):
+            self.drop_parked(request_id)
+        self.async_engine.stop()
+        self.transfer.close()
+
+    def park(self, request_id: str, table: BlockTable) -> None:
+        self.parked[request_id] = ParkedKV(table, time.monotonic() + PARKED_KV_TTL_S)
+
+    def take_parked(self, request_id: str) -> BlockTable | None:
+        parked = self.parked.pop(request_id, None)
+        return parked.table if parked else None
+
+    def drop_parked(self, request_id: str) -> None:
+        parked = self.parked.pop(request_id, None)
+        if parked is not None:
+            self.async_engine.post(lambda e: e.free_reserved(parked.table))
+
+    async def expire_parked_forever(self) -> None:
+        """KV whose Decode call never came (coordinator died, client left) goes back."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for request_id, parked in list(self.parked.items()):
+                if parked.expires_at < now:
+                    log.warning(
+                        "dropping KV of %s: no Decode call within %ss", request_id, PARKED_KV_TTL_S
+                    )
+                    self.drop_parked(request_id)

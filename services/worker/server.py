@@ -1,0 +1,118 @@
+"""One worker process: a grpc.aio server in the prefill, decode or both role."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+
+import grpc
+
+from services.decode.service import DecodeService, DecodeTransferControl
+from services.kvtransfer.control import add_control_servicer
+from services.prefill.service import PrefillService
+from services.worker.registration import RegistrationRefused, RegistryClient
+from services.worker.runtime import WorkerRuntime
+from shared.config.schema import DeploymentConfig
+from shared.proto_gen import worker_pb2 as pb
+from shared.proto_gen import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, runtime: WorkerRuntime):
+        self.runtime = runtime
+        self.prefill_service = (
+            PrefillService(runtime) if runtime.role in ("prefill", "both") else None
+        )
+        self.decode_service = DecodeService(runtime) if runtime.role in ("decode", "both") else None
+
+    async def Prefill(self, request, context):
+        if self.prefill_service is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no prefill role"
+            )
+        return await self.prefill_service.prefill(request, context)
+
+    async def Decode(self, request, context):
+        if self.decode_service is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no decode role"
+            )
+        async for chunk in self.decode_service.decode(request, context):
+            yield chunk
+
+    async def Abort(self, request, context):
+        self.runtime.async_engine.abort(request.request_id)
+        self.runtime.drop_parked(request.request_id)
+        return pb.AbortResponse(aborted=True)
+
+    async def Stats(self, request, context):
+        rt = self.runtime
+        blocks = rt.engine.blocks
+        stats = {
+            "worker_id": rt.worker_id,
+            "role": rt.role,
+            "steps": rt.async_engine.steps,
+            "load": rt.engine.load(),
+            "prefix_cache": vars(blocks.stats),
+            "parked_kv": len(rt.parked),
+        }
+        return pb.StatsResponse(json=json.dumps(stats, default=str))
+
+
+async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index: int) -> None:
+    runtime = WorkerRuntime(config, model_id, role, index)
+    runtime.start()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    servicer = WorkerServicer(runtime)
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    control = None
+    if role in ("decode", "both"):
+        control = DecodeTransferControl(runtime)
+        add_control_servicer(server, control)
+    port = server.add_insecure_port(f"{config.worker_host}:0")
+    await server.start()
+    address = f"{config.worker_host}:{port}"
+    registry_address = f"{config.coordinator.host}:{config.coordinator.registry_port}"
+    registry = RegistryClient(runtime, registry_address, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = []
+    try:
+        await registry.register()
+        log.info("worker %s serving on %s", runtime.worker_id, address)
+        tasks = [
+            asyncio.create_task(registry.heartbeat_forever()),
+            asyncio.create_task(runtime.expire_parked_forever()),
+        ]
+        await stop.wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        # Drain: stop taking new calls, give in-flight streams a moment to finish.
+        await server.stop(grace=5.0)
+        if control is not None:
+            await control.close()
+        if servicer.prefill_service is not None:
+            await servicer.prefill_service.close()
+        await registry.close()
+        await runtime.stop()
+
+
+def run_worker(config: DeploymentConfig, model_id: str, role: str, index: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {role}[{index}] %(levelname)s %(message)s"
+    )
+    try:
+        asyncio.run(serve_worker(config, model_id, role, index))
+    except RegistrationRefused as exc:
+        log.error("registration refused: %s", exc)
+        raise SystemExit(3) from exc
+    with contextlib.suppress(Exception):
+        logging.shutdown()

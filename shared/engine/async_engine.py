@@ -1,0 +1,174 @@
+"""The engine's step loop on its own thread, with an asyncio face for the gRPC servers.
+
+The block manager and the scheduler are single-threaded by design; everything that touches
+them (admission, aborts, reserving blocks for incoming KV) runs on the engine thread between
+steps, submitted through `call`. Outputs reach each request's asyncio queue through
+`call_soon_threadsafe`, so a slow consumer never stalls the step loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from shared.engine.engine import Engine
+from shared.engine.output import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineStepError(RuntimeError):
+    """The step that carried this request failed; the request was aborted."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- asyncio side --------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine thread; exceptions propagate to the awaiting caller."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.put(run)
+        return await future
+
+    async def generate(self, add: Callable[[Engine], str]) -> AsyncIterator[RequestOutput]:
+        """Add a request with `add(engine) -> request_id` and stream its outputs.
+
+        Leaving the iterator early (client gone, cancellation) aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        holder: dict[str, str] = {}
+
+        def add_and_listen(engine: Engine) -> str:
+            request_id = add(engine)
+            self._streams[request_id] = (loop, outputs)
+            holder["id"] = request_id
+            return request_id
+
+        request_id = await self.call(add_and_listen)
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def post(self, fn: Callable[[Engine], object]) -> None:
+        """Thread-safe fire-and-forget: run fn(engine) on the engine thread before next step."""
+
+        def run() -> None:
+            try:
+                fn(self.engine)
+            except Exception:
+                log.exception("posted engine command failed")
+
+        self._commands.put(run)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's blocks are freed before the next step."""
+
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._commands.put(run)
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work)
+            if self._stop.is_set() or not self.engine.has_work:
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug: fail the requests of this step, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self.steps += 1
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, outputs = target
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            self._streams.pop(request_id, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._deliver(request_id, EngineStepError(f"engine step failed: {exc}"))
+            self._streams.pop(request_id, None)
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
