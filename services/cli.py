@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands whose modules are imported lazily so `splitserve generate` starts fast.
-_LATER_COMMANDS: list[tuple[str, str]] = []
+_LATER_COMMANDS: list[tuple[str, str]] = [
+    ("services.commands.serve_cmd", "add_commands"),
+]
 
 
 def _add_optional(sub, module: str, func: str) -> None:

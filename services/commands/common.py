@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.model.linear import WEIGHT_FORMATS
+# Not imported from shared.model.linear: that pulls in torch (seconds) for every command.
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "auto")
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_weights: str = "fp32") -> None:

@@ -58,7 +58,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return fail(str(exc))
     if args.service == "coordinator":
-        from services.coordinator.server import run_coordinator
+        from services.coordinator.main import run_coordinator
 
         run_coordinator(config)
         return 0

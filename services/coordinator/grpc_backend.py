@@ -100,6 +100,7 @@ class GrpcBackend:
     ) -> AsyncIterator[GenerationChunk]:
         decode = decision.decode
         first_token = None
+        prefill_cached = 0  # the decode replica did not compute the prompt: prefill's count
         sent = 0
         meta = {"replica": decision.describe(), "routing": decision.reasoning}
         decode.in_flight += 1
@@ -124,6 +125,7 @@ class GrpcBackend:
                 finally:
                     prefill.in_flight -= 1
                 first_token = resp.first_token
+                prefill_cached = resp.num_cached_tokens
                 meta["transfer"] = {
                     "status": resp.transfer.status,
                     "bytes": resp.transfer.nbytes,
@@ -165,7 +167,7 @@ class GrpcBackend:
                         finished=msg.finished,
                         reason=msg.finish_reason or None,
                         prompt=msg.num_prompt_tokens,
-                        cached=msg.num_cached_tokens,
+                        cached=msg.num_cached_tokens if msg.local_prefill else prefill_cached,
                         outputs=msg.num_output_tokens,
                         replica=decode.worker_id,
                         meta=meta if sent == 0 else None,

@@ -1,0 +1,33 @@
+"""kvtransfer: moves a request's KV blocks from a prefill replica's pool into blocks a decode
+replica allocated for it. Backends: ``nixl`` (UCX), ``shm`` (same host), ``tcp`` (anywhere),
+and an in-process fake for tests; control plane over gRPC in ``control``."""
+
+from services.kvtransfer.factory import BACKEND_KINDS, create_backend, create_pool
+from services.kvtransfer.interface import TransferBackend
+from services.kvtransfer.session import TransferSession
+from services.kvtransfer.types import (
+    AgentMetadata,
+    BlockDescriptor,
+    ReceiveDescriptors,
+    ReceiveHandle,
+    TransferError,
+    TransferHandle,
+    TransferState,
+    TransferStats,
+)
+
+__all__ = [
+    "BACKEND_KINDS",
+    "AgentMetadata",
+    "BlockDescriptor",
+    "ReceiveDescriptors",
+    "ReceiveHandle",
+    "TransferBackend",
+    "TransferError",
+    "TransferHandle",
+    "TransferSession",
+    "TransferState",
+    "TransferStats",
+    "create_backend",
+    "create_pool",
+]

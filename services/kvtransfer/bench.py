@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.kvtransfer.nixl import nixl_import_error
 from services.kvtransfer.peer_process import PeerProcess, PeerSpec
 from shared.kvcache.pool import KVLayout
 
@@ -96,12 +97,9 @@ def run_transfer_bench(
         "backends": {},
     }
     for kind in backends:
-        if kind == "nixl":
-            try:
-                import nixl._api  # noqa: F401
-            except ImportError as exc:
-                report["backends"][kind] = {"skipped": f"nixl not importable: {exc}"}
-                continue
+        if kind == "nixl" and (why := nixl_import_error()):
+            report["backends"][kind] = {"skipped": f"nixl not importable: {why}"}
+            continue
         report["backends"][kind] = _bench_backend(kind, sizes_mib, repeats)
     # Every backend runs on this one host here, so "same host" is all of them.
     at_64 = [r["gb_s_64mib"] for r in report["backends"].values() if "gb_s_64mib" in r]

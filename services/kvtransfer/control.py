@@ -3,7 +3,8 @@
 ``KvTransferControlServicer`` is the decode replica's base: subclass it with the two block
 manager hooks (``allocate_blocks``, ``on_transfer_finished``). Every prepared request is
 watched by a task, so its blocks come back exactly once even when the sender vanishes and
-never calls TransferDone. The client side lives in ``control_client``.
+never calls TransferDone. The client side (``KvTransferControlClient``, ``push_blocks``)
+lives in ``control_client`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -23,11 +24,29 @@ from services.kvtransfer.codec import (
     status_from_proto,
     status_to_proto,
 )
+from services.kvtransfer.control_client import (
+    ControlPlaneError,
+    KvTransferControlClient,
+    PreparedReceive,
+    PushResult,
+    push_blocks,
+)
 from services.kvtransfer.interface import TransferBackend
 from services.kvtransfer.session import TransferSession
 from services.kvtransfer.types import TransferError, TransferState, layout_mismatch
 from shared.proto_gen import kvtransfer_pb2 as pb
 from shared.proto_gen import kvtransfer_pb2_grpc as pb_grpc
+
+__all__ = [
+    "BlocksUnavailable",
+    "ControlPlaneError",
+    "KvTransferControlClient",
+    "KvTransferControlServicer",
+    "PreparedReceive",
+    "PushResult",
+    "add_control_servicer",
+    "push_blocks",
+]
 
 # Outcomes remembered after a request's blocks were given back, for a late TransferDone.
 _REMEMBERED_OUTCOMES = 4096
@@ -95,8 +114,12 @@ class KvTransferControlServicer(pb_grpc.KvTransferControlServicer):
         except BlocksUnavailable as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
+            if len(block_ids) != request.num_blocks:
+                raise RuntimeError(
+                    f"allocate_blocks gave {len(block_ids)} blocks for {request.num_blocks}"
+                )
             handle = self.backend.prepare_receive(rid, block_ids, request.deadline_s + self.grace_s)
-        except Exception:
+        except Exception:  # a bug on this side: give the blocks back, fail loudly
             self.on_transfer_finished(rid, block_ids, TransferState.FAILED)
             raise
         session = TransferSession(

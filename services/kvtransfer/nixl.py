@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +50,19 @@ _INFO_LEN = struct.Struct("<I")
 
 class NixlUnavailableError(RuntimeError):
     """NIXL (or its UCX plugin) is not installed in this environment."""
+
+
+def nixl_import_error() -> str:
+    """Why ``import nixl._api`` fails, or '' if it works. Checked in a child interpreter so
+    NIXL's bundled native libraries (protobuf, abseil) never load into the caller, where they
+    can crash other extensions such as grpc_tools' protoc."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import nixl._api"], capture_output=True, text=True, timeout=120
+    )
+    if probe.returncode == 0:
+        return ""
+    lines = probe.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {probe.returncode}"
 
 
 @dataclass

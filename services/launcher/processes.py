@@ -73,7 +73,7 @@ class ServiceProcess:
         self.log_path = log_path
         self._echo = echo
         self._echo_lock = echo_lock
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed by the reader thread
+        self._log = open(log_path, "wb")  # closed by the reader thread
         try:
             self._popen = subprocess.Popen(
                 list(spec.argv),

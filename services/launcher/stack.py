@@ -136,6 +136,11 @@ class LocalStack:
         return _connect_host(self.config.coordinator.host)
 
     @property
+    def url(self) -> str:
+        """The coordinator's root (health, ready, metrics live here)."""
+        return f"http://{self.host}:{self.config.coordinator.port}"
+
+    @property
     def base_url(self) -> str:
         """The OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1."""
         return f"http://{self.host}:{self.config.coordinator.port}/v1"

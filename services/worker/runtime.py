@@ -76,6 +76,8 @@ class WorkerRuntime:
             pool=pool,
             kv_salt=self.tokenizer_fingerprint.encode() or None,
         )
+        if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
+            self.engine.stop_token_ids = self.tokenizer.stop_token_ids
         self.async_engine = AsyncEngine(self.engine)
         self.transfer: TransferBackend = create_backend(self.transfer_kind, self.worker_id)
         self.transfer.register_pool(pool)

@@ -1,0 +1,90 @@
+"""A bounded open-loop load generator for the local stack: SSE timings per request."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestTiming:
+    kind: str
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+    e2e_ms: float = 0.0
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict, kind: str, timeout_s: float = 300.0
+) -> RequestTiming:
+    timing = RequestTiming(kind)
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                timing.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return timing
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    timing.error = data["error"].get("message", "error")
+                    break
+                for choice in data.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            timing.ttft_ms = (now - start) * 1e3
+                        else:
+                            timing.itl_ms.append((now - last) * 1e3)
+                        last = now
+                        timing.tokens += 1
+    except (TimeoutError, httpx.HTTPError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    timing.e2e_ms = (time.perf_counter() - start) * 1e3
+    return timing
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(timings: list[RequestTiming], kind: str | None = None) -> dict:
+    rows = [t for t in timings if kind is None or t.kind == kind]
+    ok = [t for t in rows if t.error is None]
+    ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
+    itl = [x for t in ok for x in t.itl_ms]
+    return {
+        "requests": len(rows),
+        "errors": len(rows) - len(ok),
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "itl_p50_ms": percentile(itl, 0.5),
+        "itl_p99_ms": percentile(itl, 0.99),
+        "itl_mean_ms": statistics.fmean(itl) if itl else None,
+        "tokens": sum(t.tokens for t in ok),
+    }
+
+
+def filler_text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words = (
+        "the of and to in is was that for on with as by at from this be an are his but not "
+        "river garden window music quiet morning letter travel dinner friend story city light"
+    ).split()
+    return " ".join(rng.choice(words) for _ in range(n_words))

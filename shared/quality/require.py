@@ -1,0 +1,84 @@
+"""The serving-side check: refuse to serve a non-fp32 build without a passing gate report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from shared.model.linear import WEIGHT_FORMATS
+from shared.model.loader import default_model_path
+from shared.quality.gate import (
+    BASELINE_WEIGHTS,
+    MAX_PIQA_DELTA_POINTS,
+    MIN_TOP1_AGREEMENT,
+    agreement_within_limit,
+    piqa_within_limit,
+)
+from shared.quality.report import GateReport, default_report_path, model_fingerprint
+
+
+class QualityGateError(RuntimeError):
+    """A build may not serve: it failed the quality gate, or was never (fully) evaluated."""
+
+
+def require_gate(
+    weights: str,
+    report_path: str | os.PathLike | None = None,
+    model: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> None:
+    """Raise QualityGateError unless `weights` may serve `model` (default: the bundled one).
+
+    fp32 is the baseline and always may. Any other format needs a report written by a complete
+    `splitserve eval` run for this very model file (matched by content hash) whose figures
+    still meet today's limits — they are re-judged here, so tightening a limit takes effect
+    on reports written before.
+    """
+    if weights == BASELINE_WEIGHTS:
+        return
+    if weights not in WEIGHT_FORMATS:
+        raise QualityGateError(
+            f"unknown weight format '{weights}' (valid: {', '.join(WEIGHT_FORMATS)})"
+        )
+    model_path = str(model) if model is not None else default_model_path()
+    fingerprint = model_fingerprint(model_path)
+    path = (
+        Path(report_path)
+        if report_path is not None
+        else default_report_path(fingerprint, weights, cache_dir)
+    )
+    fix = f"run `splitserve eval --weights {weights}` on this model, or serve {BASELINE_WEIGHTS}"
+    if not path.is_file():
+        raise QualityGateError(
+            f"{weights} was never evaluated for {model_path}: no gate report at {path}; {fix}"
+        )
+    try:
+        report = GateReport.load(path)
+    except (OSError, ValueError, TypeError, json.JSONDecodeError) as exc:
+        raise QualityGateError(f"unreadable gate report {path}: {exc}; {fix}") from exc
+    if report.weights != weights:
+        raise QualityGateError(
+            f"gate report {path} is for weights '{report.weights}', not '{weights}'; {fix}"
+        )
+    if report.model_fingerprint != fingerprint:
+        raise QualityGateError(
+            f"gate report {path} was written for another model ({report.model_path}, "
+            f"sha256 {report.model_fingerprint[:16]}), not {model_path} "
+            f"(sha256 {fingerprint[:16]}); {fix}"
+        )
+    if not report.complete:
+        raise QualityGateError(
+            f"gate report {path} covers only {report.items} of {report.items_total} PIQA items "
+            f"(a --limit run is a smoke test, not a gate); {fix}"
+        )
+    if not report.passed:
+        raise QualityGateError("; ".join(report.reasons) or f"{weights} failed the quality gate")
+    if not (
+        piqa_within_limit(report.delta_points) and agreement_within_limit(report.top1_agreement)
+    ):
+        raise QualityGateError(
+            f"{weights} refused: its report (PIQA {report.delta_points:+.1f} points, top-1 "
+            f"agreement {report.top1_agreement:.3f}) no longer meets the limits "
+            f"({MAX_PIQA_DELTA_POINTS} points, {MIN_TOP1_AGREEMENT}); {fix}"
+        )

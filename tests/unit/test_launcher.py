@@ -1,0 +1,447 @@
+"""The local launcher's process management, with real child processes.
+
+The children here are small test programs written to tmp_path (a /ready server, a crasher, a
+sleeper, a launcher-like parent), not the splitserve services: what is under test is starting,
+watching, stopping and never orphaning processes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.launcher import stack as stack_module
+from services.launcher.ports import pick_free_ports, resolve_ports
+from services.launcher.processes import ProcessGroup, ServiceDied, ServiceSpec
+from services.launcher.readiness import (
+    StartupCancelled,
+    StartupTimeout,
+    probe,
+    wait_until_ready,
+)
+from services.launcher.stack import (
+    resolve_config,
+    service_specs,
+    start_local_stack,
+    worker_slots,
+)
+from services.launcher.up import run_up
+from shared.config.schema import load_config, parse_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+TEST_CHILD_READY_SERVER = """
+    # Test child: answers GET /ready with 503 until DELAY seconds after start, then 200.
+    import http.server, sys, time
+    port, delay = int(sys.argv[1]), float(sys.argv[2])
+    ready_at = time.monotonic() + delay
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ready = time.monotonic() >= ready_at
+            self.send_response(200 if ready and self.path == "/ready" else 503)
+            self.end_headers()
+            self.wfile.write(b'{"ready": %s}' % (b"true" if ready else b"false"))
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", port), Handler)
+    print("test ready server listening", flush=True)
+    server.serve_forever()
+"""
+
+TEST_CHILD_CRASH = """
+    # Test child: prints a few lines, then fails: after 0.3 s, or once the file named by its
+    # argument exists (at most 30 s).
+    import os, sys, time
+    print("test crasher starting", flush=True)
+    if len(sys.argv) > 1:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(0.3)
+    print("boom: simulated failure", file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+TEST_CHILD_SLEEPER = """
+    # Test child: records the SIGTERM it gets (name appended to MARKER) and exits, or with
+    # --ignore-term shrugs SIGTERM off. Sleeps at most 60 s so a failed test cannot leak it.
+    import signal, sys, time
+    marker, name = sys.argv[1], sys.argv[2]
+    def on_term(signum, frame):
+        with open(marker, "a") as f:
+            f.write(name + "\\n")
+        sys.exit(0)
+    ignore = "--ignore-term" in sys.argv
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else on_term)
+    print("test sleeper sleeping", flush=True)
+    time.sleep(60)
+"""
+
+TEST_CHILD_LAUNCHER = """
+    # Test child: a launcher-like parent that starts two sleepers through ProcessGroup,
+    # prints their pids, and waits to be killed.
+    import json, sys, time
+    from pathlib import Path
+    from services.launcher.processes import ProcessGroup, ServiceSpec
+    log_dir, sleeper, marker = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    group = ProcessGroup(log_dir)
+    pids = [
+        group.start(ServiceSpec(f"s{i}", [sys.executable, sleeper, marker, f"s{i}"])).pid
+        for i in range(2)
+    ]
+    print(json.dumps(pids), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _time_limit():
+    """Every test here finishes in seconds; one that hangs fails instead of stalling the suite."""
+
+    def expire(signum, frame):
+        raise TimeoutError("test ran past its 60 s limit")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def children(tmp_path) -> dict[str, str]:
+    programs = {
+        "ready_server": TEST_CHILD_READY_SERVER,
+        "crash": TEST_CHILD_CRASH,
+        "sleeper": TEST_CHILD_SLEEPER,
+        "launcher": TEST_CHILD_LAUNCHER,
+    }
+    paths = {}
+    for name, source in programs.items():
+        path = tmp_path / f"test_child_{name}.py"
+        path.write_text(textwrap.dedent(source))
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.fixture
+def echo() -> io.StringIO:
+    return io.StringIO()
+
+
+@pytest.fixture
+def group(tmp_path, echo):
+    group = ProcessGroup(tmp_path / "logs", echo)
+    yield group
+    group.stop(grace_s=1.0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _wait_for_log(log_path: Path, text: str) -> None:
+    assert _wait_until(lambda: log_path.exists() and text in log_path.read_text()), log_path
+
+
+def test_readiness_wait_returns_once_ready(group, echo, children):
+    (port,) = pick_free_ports(1)
+    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "0.5"]))
+    url = f"http://127.0.0.1:{port}/ready"
+    start = time.monotonic()
+    wait_until_ready(url, group, timeout_s=20, interval_s=0.05)
+    assert time.monotonic() - start >= 0.45  # it really waited for the 200, not the first answer
+    assert probe(url) == (True, "HTTP 200")
+    assert _wait_until(lambda: "[server] test ready server listening" in echo.getvalue())
+
+
+def test_readiness_times_out_with_the_last_answer(group, children):
+    (port,) = pick_free_ports(1)
+    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "1000"]))
+    url = f"http://127.0.0.1:{port}/ready"
+    _wait_for_log(group.log_dir / "server.log", "listening")
+    with pytest.raises(StartupTimeout, match='HTTP 503 {"ready": false}'):
+        wait_until_ready(url, group, timeout_s=0.5, interval_s=0.05)
+
+
+def test_readiness_wait_stops_when_cancelled(group, children):
+    (port,) = pick_free_ports(1)
+    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "1000"]))
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    with pytest.raises(StartupCancelled):
+        wait_until_ready(f"http://127.0.0.1:{port}/ready", group, timeout_s=30, cancel=cancel)
+
+
+def test_a_child_dying_early_fails_startup_with_its_name_and_log_tail(group, echo, children):
+    (port,) = pick_free_ports(1)
+    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "1000"]))
+    group.start(ServiceSpec("crasher", [PY, children["crash"]]))
+    with pytest.raises(ServiceDied) as info:
+        wait_until_ready(f"http://127.0.0.1:{port}/ready", group, timeout_s=30, interval_s=0.05)
+    died = info.value
+    assert died.name == "crasher" and died.returncode == 3
+    assert died.log_tail.splitlines() == ["test crasher starting", "boom: simulated failure"]
+    assert str(died).startswith("crasher exited with code 3; last lines of its log")
+    assert "[crasher] boom: simulated failure" in echo.getvalue()
+    assert group.processes["server"].alive  # stopping the rest is the caller's decision
+
+
+def test_stop_terminates_workers_before_the_last_wave_and_kills_stragglers(
+    group, children, tmp_path
+):
+    marker = tmp_path / "terminated.txt"
+    sleeper = [PY, children["sleeper"], str(marker)]
+    procs = [
+        group.start(ServiceSpec("coordinator", [*sleeper, "coordinator"], stop_last=True)),
+        group.start(ServiceSpec("w0", [*sleeper, "w0"])),
+        group.start(ServiceSpec("stubborn", [*sleeper, "stubborn", "--ignore-term"])),
+        group.start(ServiceSpec("w1", [*sleeper, "w1"])),
+    ]
+    for p in procs:
+        _wait_for_log(p.log_path, "sleeping")
+    start = time.monotonic()
+    group.stop(grace_s=1.0)
+    assert time.monotonic() - start < 5.0
+    assert all(_gone(p.pid) for p in procs)
+    order = marker.read_text().split()
+    assert sorted(order[:2]) == ["w0", "w1"] and order[2:] == ["coordinator"]
+    assert group.processes["stubborn"].returncode == -signal.SIGKILL
+    assert group.processes["coordinator"].returncode == 0
+
+
+def test_killing_the_launcher_with_sigkill_leaves_no_orphans(children, tmp_path):
+    marker = tmp_path / "terminated.txt"
+    log_dir = tmp_path / "parent-logs"
+    parent = subprocess.Popen(
+        [PY, children["launcher"], str(log_dir), children["sleeper"], str(marker)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        pids = json.loads(parent.stdout.readline())
+        for name in ("s0", "s1"):
+            _wait_for_log(log_dir / f"{name}.log", "sleeping")
+        assert not any(_gone(pid) for pid in pids)
+        parent.kill()
+        parent.wait(10)
+        assert _wait_until(lambda: all(_gone(pid) for pid in pids), timeout_s=5.0)
+        # They went because the kernel sent them SIGTERM (PR_SET_PDEATHSIG), not by accident.
+        assert _wait_until(
+            lambda: marker.exists() and sorted(marker.read_text().split()) == ["s0", "s1"], 2.0
+        )
+    finally:
+        parent.kill()
+        parent.wait(10)
+        for pid in pids:  # only reached with live pids if the test already failed
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_start_local_stack_serves_until_stopped_and_cleans_up(monkeypatch, children, tmp_path):
+    marker = tmp_path / "terminated.txt"
+
+    def test_specs(config, config_path):
+        # The services replaced by test children; the resolved config they get is real.
+        assert load_config(config_path) == config
+        server = [PY, children["ready_server"], str(config.coordinator.port), "0.3"]
+        sleeper = [PY, children["sleeper"], str(marker), "prefill-0"]
+        return [
+            ServiceSpec("coordinator", server, stop_last=True),
+            ServiceSpec("prefill-0", sleeper),
+        ]
+
+    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
+    with start_local_stack(config, startup_timeout_s=20, run_dir=tmp_path / "run") as stack:
+        port = stack.config.coordinator.port
+        assert port != 0 and stack.config.coordinator.registry_port not in (0, port)
+        assert stack.base_url == f"http://127.0.0.1:{port}/v1"
+        assert stack.registry_address == f"127.0.0.1:{stack.config.coordinator.registry_port}"
+        assert probe(stack.ready_url)[0]
+        assert set(stack.processes) == {"coordinator", "prefill-0"}
+        assert stack.config_path.is_file()
+        pids = [p.pid for p in stack.processes.values()]
+        stack.check_alive()
+    assert not stack.config_path.exists()
+    assert all(_gone(pid) for pid in pids)
+    assert (tmp_path / "run" / "coordinator.log").is_file()
+
+
+def test_start_local_stack_stops_everything_when_a_service_dies(monkeypatch, children, tmp_path):
+    def test_specs(config, config_path):
+        server = [PY, children["ready_server"], str(config.coordinator.port), "1000"]
+        return [
+            ServiceSpec("coordinator", server, stop_last=True),
+            ServiceSpec("decode-0", [PY, children["crash"]]),
+        ]
+
+    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
+    run_dir = tmp_path / "run"
+    with pytest.raises(ServiceDied, match="boom: simulated failure") as info:
+        start_local_stack(config, startup_timeout_s=20, run_dir=run_dir)
+    assert info.value.name == "decode-0"
+    assert not (run_dir / "config.yaml").exists()
+    assert psutil.Process().children(recursive=True) == []  # the coordinator went too
+
+
+def test_resolve_config_picks_distinct_ports_and_shares_cores():
+    config = parse_config(
+        {
+            "coordinator": {"port": 0, "registry_port": 0},
+            "models": [
+                {"id": "a", "pools": {"prefill": 2, "decode": 1}},
+                {
+                    "id": "b",
+                    "pools": {"prefill": 0, "decode": 0, "both": 1},
+                    "worker": {"threads": 3},
+                },
+            ],
+        }
+    )
+    resolved = resolve_config(config, cpus=9)
+    ports = (resolved.coordinator.port, resolved.coordinator.registry_port)
+    assert 0 not in ports and ports[0] != ports[1]
+    assert resolved.model("a").worker.threads == 2  # 9 cores // 4 workers
+    assert resolved.model("b").worker.threads == 3  # set explicitly: kept
+    assert resolve_config(config, cpus=1).model("a").worker.threads == 1
+    fixed = parse_config({"coordinator": {"port": 8123, "registry_port": 50999}})
+    assert resolve_ports(fixed) == fixed
+
+
+def test_service_specs_start_the_coordinator_then_every_worker(tmp_path):
+    config = resolve_config(
+        parse_config(
+            {
+                "models": [
+                    {"id": "a", "pools": {"prefill": 2, "decode": 1}},
+                    {"id": "b", "pools": {"prefill": 0, "decode": 0, "both": 1}},
+                ]
+            }
+        ),
+        cpus=8,
+    )
+    path = tmp_path / "c.yaml"
+    specs = service_specs(config, path)
+    names = [s.name for s in specs]
+    assert names == ["coordinator", "a/prefill-0", "a/prefill-1", "a/decode-0", "b/both-0"]
+    assert [s.stop_last for s in specs] == [True, False, False, False, False]
+    assert list(specs[0].argv) == [
+        PY,
+        "-m",
+        "services.cli",
+        "serve",
+        "coordinator",
+        "--config",
+        str(path),
+    ]
+    assert list(specs[2].argv[3:]) == [
+        "serve",
+        "prefill",
+        "--config",
+        str(path),
+        "--model-id",
+        "a",
+        "--index",
+        "1",
+    ]
+    assert all(s.env["OMP_NUM_THREADS"] == "2" for s in specs)  # 8 cores // 4 workers
+    assert all(s.env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT) for s in specs)
+    single = worker_slots(parse_config({}))
+    assert [(w.name, w.role, w.index) for w in single] == [
+        ("prefill-0", "prefill", 0),
+        ("decode-0", "decode", 0),
+    ]
+
+
+def test_group_refuses_two_services_with_one_name(group, children, tmp_path):
+    group.start(ServiceSpec("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
+    with pytest.raises(ValueError, match="already"):
+        group.start(ServiceSpec("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
+
+
+def _fake_services(monkeypatch, children, tmp_path, worker_argv):
+    """Make the stack run a ready test server as coordinator and `worker_argv` as decode-0."""
+
+    def test_specs(config, config_path):
+        server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
+        return [
+            ServiceSpec("coordinator", server, stop_last=True),
+            ServiceSpec("decode-0", worker_argv),
+        ]
+
+    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # where `up` puts its run folder
+
+
+def test_up_announces_the_stack_and_stops_cleanly_on_sigterm(monkeypatch, children, tmp_path):
+    _fake_services(
+        monkeypatch, children, tmp_path, [PY, children["sleeper"], str(tmp_path / "m"), "d"]
+    )
+    out, err = io.StringIO(), io.StringIO()
+
+    def terminate_once_ready():
+        if _wait_until(lambda: "splitserve is ready" in out.getvalue(), timeout_s=30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_once_ready, daemon=True).start()
+    handler_before = signal.getsignal(signal.SIGTERM)
+    config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
+    assert run_up(config, startup_timeout_s=30, out=out, err=err) == 0
+    assert re.fullmatch(
+        r"splitserve is ready: http://127\.0\.0\.1:\d+/v1 \(model: SmolLM2-135M-Instruct\)\n",
+        out.getvalue(),
+    )
+    assert psutil.Process().children(recursive=True) == []
+    (run_dir,) = tmp_path.glob(f"splitserve-{os.getpid()}-*")
+    assert f"logs: {run_dir}" in err.getvalue()
+    assert not (run_dir / "config.yaml").exists() and (run_dir / "decode-0.log").is_file()
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the handler was put back
+
+
+def test_up_fails_naming_a_service_that_dies_after_startup(monkeypatch, children, tmp_path):
+    go = tmp_path / "crash-now"
+    _fake_services(monkeypatch, children, tmp_path, [PY, children["crash"], str(go)])
+    out, err = io.StringIO(), io.StringIO()
+
+    def crash_once_ready():
+        if _wait_until(lambda: "splitserve is ready" in out.getvalue(), timeout_s=30):
+            go.touch()
+
+    threading.Thread(target=crash_once_ready, daemon=True).start()
+    config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
+    assert run_up(config, startup_timeout_s=30, out=out, err=err) == 1
+    assert "splitserve is ready" in out.getvalue()
+    assert "splitserve: error: decode-0 stopped unexpectedly: exited with code 3" in err.getvalue()
+    assert "boom: simulated failure" in err.getvalue()
+    assert psutil.Process().children(recursive=True) == []

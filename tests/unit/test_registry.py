@@ -1,0 +1,85 @@
+"""The coordinator's worker registry: refusals that name the field, liveness, the KV index."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerRegistry
+from services.coordinator.routing import choose_pair
+from shared.config.schema import parse_config
+
+
+@pytest.fixture
+def registry():
+    cfg = parse_config({"coordinator": {"heartbeat_interval_s": 1, "heartbeat_timeout_s": 3}})
+    return WorkerRegistry(cfg, {"SmolLM2-135M-Instruct": "abc123"})
+
+
+def _worker(worker_id: str, role: str, **kw) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id,
+        role,
+        "SmolLM2-135M-Instruct",
+        f"127.0.0.1:{len(worker_id)}",
+        worker_id,
+        8192,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "fingerprint", "block_size", "needle"),
+    [
+        ("other-model", "abc123", 16, "model 'other-model' is not in the coordinator's config"),
+        ("SmolLM2-135M-Instruct", "abc123", 32, "block_size 32 differs"),
+        ("SmolLM2-135M-Instruct", "zzz999", 16, "tokenizer fingerprint"),
+    ],
+)
+def test_disagreeing_worker_is_refused_naming_the_field(
+    registry, model, fingerprint, block_size, needle
+):
+    with pytest.raises(RegistrationError, match=needle):
+        registry.check(model, fingerprint, block_size, "decode")
+
+
+def test_ready_only_when_every_configured_worker_is_alive(registry):
+    assert not registry.is_ready()
+    registry.register(_worker("p0", "prefill"))
+    assert not registry.is_ready()
+    registry.register(_worker("d0", "decode"))
+    assert registry.is_ready()
+
+
+def test_missed_heartbeats_leave_the_pool_and_drop_kv(registry):
+    registry.register(_worker("p0", "prefill"))
+    registry.register(_worker("d0", "decode"))
+    registry.apply_events("d0", [("stored", [1, 2, 3], "device", 1)], snapshot=False)
+    now = registry.workers["d0"].last_seen
+    assert set(registry.reap(now + 10)) == {"p0", "d0"}
+    assert not registry.workers["d0"].alive
+    assert registry.cached_prefix_blocks("d0", [1, 2, 3]) == (0, None)
+    assert choose_pair(registry, "SmolLM2-135M-Instruct") is None
+
+
+def test_kv_index_events_and_snapshot(registry):
+    registry.register(_worker("d0", "decode"))
+    registry.apply_events(
+        "d0", [("stored", [1, 2, 3], "device", 1), ("stored", [4], "host", 2)], False
+    )
+    assert registry.cached_prefix_blocks("d0", [1, 2, 3, 4, 9]) == (4, "host")
+    registry.apply_events("d0", [("removed", [2], "device", 3)], False)
+    assert registry.cached_prefix_blocks("d0", [1, 2, 3]) == (1, "device")
+    registry.apply_events("d0", [("stored", [7], "device", 9)], snapshot=True)
+    assert registry.cached_prefix_blocks("d0", [1]) == (0, None)
+    assert registry.cached_prefix_blocks("d0", [7]) == (1, "device")
+    assert registry.workers["d0"].kv_event_seq == 9
+
+
+def test_least_loaded_pair(registry):
+    registry.register(_worker("p0", "prefill"))
+    registry.register(_worker("p1", "prefill"))
+    registry.register(_worker("d0", "decode"))
+    registry.workers["p0"].in_flight = 3
+    decision = choose_pair(registry, "SmolLM2-135M-Instruct")
+    assert decision.prefill.worker_id == "p1" and decision.decode.worker_id == "d0"
+    assert decision.reasoning
