@@ -27,6 +27,7 @@ class _BatchedGroup:
     block_table: torch.Tensor  # [B, max_blocks]
     mask: torch.Tensor  # [B, 1, q_max, 1, ctx_max] bool: query may see key
     ctx_max: int
+    all_keys_visible: bool  # decode rows of equal context: no masking needed at all
 
 
 @dataclass
@@ -54,7 +55,10 @@ class TorchPagedAttention(AttentionBackend):
             starts.append(starts[-1] + q)
         batched = [i for i, q in enumerate(meta.query_lens) if q <= BATCHED_MAX_QUERY]
         singles = [i for i, q in enumerate(meta.query_lens) if q > BATCHED_MAX_QUERY]
-        state: dict = {"batched": None, "singles": []}
+        # Every sequence brings exactly one token (pure decode): the flat tokens are the batch
+        # rows in order, so the gather/scatter of queries can be skipped.
+        decode_only = all(q == 1 for q in meta.query_lens)
+        state: dict = {"batched": None, "singles": [], "decode_only": decode_only}
         dev = meta.device
         if batched:
             q_max = max(meta.query_lens[i] for i in batched)
@@ -79,6 +83,8 @@ class TorchPagedAttention(AttentionBackend):
                 block_table=table.to(dev),
                 mask=mask[:, None, :, None, :].to(dev),
                 ctx_max=ctx_max,
+                all_keys_visible=q_max == 1
+                and all(meta.context_lens[i] == ctx_max for i in batched),
             )
         for i in singles:
             q_len, ctx = meta.query_lens[i], meta.context_lens[i]
@@ -104,6 +110,8 @@ class TorchPagedAttention(AttentionBackend):
         group = num_heads // kv_heads
         out = torch.empty_like(q)
         batched: _BatchedGroup | None = state["batched"]
+        if state["decode_only"]:
+            return self._decode_only(q, key_cache, value_cache, batched, scale, kv_heads, group)
         if batched is not None:
             bsz, q_max = batched.token_index.shape
             keys = _gather(key_cache, batched.block_table, batched.ctx_max)  # [B, Hkv, L, D]
@@ -135,6 +143,16 @@ class TorchPagedAttention(AttentionBackend):
             attn = attn.view(kv_heads, seq.q_len, group, head_dim).permute(1, 0, 2, 3)
             out[seq.start : seq.start + seq.q_len] = attn.reshape(seq.q_len, num_heads, head_dim)
         return out
+
+    @staticmethod
+    def _decode_only(q, key_cache, value_cache, batched, scale, kv_heads, group):
+        bsz, num_heads, head_dim = q.shape
+        keys = _gather(key_cache, batched.block_table, batched.ctx_max)
+        values = _gather(value_cache, batched.block_table, batched.ctx_max)
+        queries = q.view(bsz, kv_heads, group, head_dim)
+        mask = None if batched.all_keys_visible else batched.mask[:, :, 0]  # [B, 1, 1, L]
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        return attn.reshape(bsz, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

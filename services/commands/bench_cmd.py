@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands.common import add_model_args
+from services.commands.common import WEIGHT_FORMATS, add_model_args
 
 
 def add_command(sub) -> None:
@@ -15,6 +15,20 @@ def add_command(sub) -> None:
     eng.add_argument("--json", default=None, help="write the results here")
     eng.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     eng.set_defaults(handler=run_engine)
+
+    dis = kinds.add_parser("disagg", help="colocated vs disaggregated replicas under chat load")
+    dis.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
+    dis.add_argument("--duration", type=float, default=60.0, help="seconds of load per mode")
+    dis.add_argument("--short-every", type=float, default=1.0, help="seconds between chat turns")
+    dis.add_argument("--long-every", type=float, default=12.0, help="seconds between long prompts")
+    dis.add_argument("--json", default=None)
+    dis.set_defaults(handler=run_disagg)
+
+    tra = kinds.add_parser("transfer", help="KV-transfer backends between two processes")
+    tra.add_argument("--backends", default="shm,tcp,nixl")
+    tra.add_argument("--repeats", type=int, default=3)
+    tra.add_argument("--json", default=None)
+    tra.set_defaults(handler=run_transfer)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -28,5 +42,45 @@ def run_engine(args: argparse.Namespace) -> int:
         f"splitserve bench engine (weights={args.weights}, threads={threads})",
         engine_bench.table_rows(result),
     )
+    write_json(args.json, result)
+    return 0
+
+
+def run_disagg(args: argparse.Namespace) -> int:
+    from services.bench import disagg_bench
+    from services.bench.report import machine_info, print_table, write_json
+
+    result = disagg_bench.run(
+        weights=args.weights,
+        duration_s=args.duration,
+        short_every_s=args.short_every,
+        long_every_s=args.long_every,
+    )
+    result["machine"] = machine_info()
+    print_table(
+        "splitserve bench disagg (disagg vs colocated, same 2 worker processes)",
+        disagg_bench.table_rows(result),
+    )
+    print(f"itl_p99_ratio = {result['itl_p99_ratio']}")
+    write_json(args.json, result)
+    return 0
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    from services.bench.report import machine_info, print_table, write_json
+    from services.kvtransfer.bench import run_transfer_bench
+
+    backends = tuple(b for b in args.backends.split(",") if b)
+    result = run_transfer_bench(backends=backends, repeats=args.repeats)
+    result["machine"] = machine_info()
+    rows = []
+    memcpy = result["memcpy_gb_s"]
+    for name, figures in result["backends"].items():
+        if not isinstance(figures, dict) or "gb_s_64mib" not in figures:
+            rows.append((f"{name}", str(figures), None, None))
+            continue
+        for key in ("gb_s_1mib", "gb_s_16mib", "gb_s_64mib", "gb_s_256mib"):
+            rows.append((f"{name} {key}", figures[key], memcpy, figures[key] / memcpy))
+    print_table("splitserve bench transfer (GB/s vs memcpy in the same run)", rows)
     write_json(args.json, result)
     return 0

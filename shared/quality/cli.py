@@ -11,7 +11,7 @@ import argparse
 import gc
 import json
 import sys
-import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
@@ -35,7 +35,7 @@ from shared.quality.evaluate import (
 from shared.quality.gate import BASELINE_WEIGHTS, MAX_PIQA_DELTA_POINTS, MIN_TOP1_AGREEMENT
 from shared.quality.piqa import load_piqa
 from shared.quality.report import GateReport, default_report_path, model_fingerprint
-from shared.quality.text_encoder import load_text_encoder
+from shared.quality.text_encoder import TextEncoder, load_text_encoder
 
 EXIT_PASSED = 0
 EXIT_REFUSED = 1
@@ -61,6 +61,9 @@ def add_eval_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--model", help="GGUF file or HF folder (default: bundled SmolLM2)")
     parser.add_argument(
         "--limit", type=int, help="score only the first N PIQA items (a smoke test; not saved)"
+    )
+    parser.add_argument(
+        "--texts", type=int, help="use only the first N agreement texts (a smoke test; not saved)"
     )
     parser.add_argument("--json", dest="json_out", help="write all figures to this JSON file")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
@@ -128,7 +131,7 @@ def _evaluate(
     weights: str,
     evalset: EvalSet,
     baseline: BuildRun,
-    encoder,
+    encoder: TextEncoder,
     progress: _Progress,
 ) -> BuildEvaluation:
     if weights == BASELINE_WEIGHTS:
@@ -146,8 +149,9 @@ def _evaluate(
 def run_eval(args: argparse.Namespace) -> int:
     try:
         weights_list = parse_weights(args.weights)
-        if args.limit is not None and args.limit < 1:
-            raise ValueError("--limit must be at least 1")
+        for flag, value in (("--limit", args.limit), ("--texts", args.texts)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1")
         if args.threads is not None:
             if args.threads < 1:
                 raise ValueError("--threads must be at least 1")
@@ -161,9 +165,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     fingerprint = model_fingerprint(model_path)
     all_items = load_piqa()
-    texts = load_agreement_texts()
+    all_texts = load_agreement_texts()
     items = all_items[: args.limit] if args.limit is not None else all_items
-    evalset = EvalSet(items, texts, items_total=len(all_items), texts_total=len(texts))
+    texts = all_texts[: args.texts] if args.texts is not None else all_texts
+    evalset = EvalSet(items, texts, items_total=len(all_items), texts_total=len(all_texts))
     progress = _Progress(sys.stderr)
 
     baseline_model = LlamaModel(checkpoint, weights=BASELINE_WEIGHTS)
@@ -185,7 +190,8 @@ def run_eval(args: argparse.Namespace) -> int:
     print(_table(reports, baseline))
     if not evalset.complete:
         print(
-            f"(--limit: {len(items)} of {len(all_items)} items; no gate report saved)",
+            f"(partial run: {len(items)} of {len(all_items)} items, {len(texts)} of "
+            f"{len(all_texts)} texts; no gate report saved)",
             file=sys.stderr,
         )
     if args.json_out:
@@ -202,7 +208,7 @@ def run_eval(args: argparse.Namespace) -> int:
                 "min_top1_agreement": MIN_TOP1_AGREEMENT,
             },
             "builds": {r.weights: r.to_dict() for r in reports},
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
     return EXIT_PASSED if all(r.passed for r in reports) else EXIT_REFUSED

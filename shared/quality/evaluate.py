@@ -89,6 +89,7 @@ class PathResult:
     agreement: Agreement
     gate: GateResult
     seconds: float
+    flipped_items: tuple[int, ...]  # indices (in evaluated order) where the choices differ
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ def compare_runs(path: EvalPath, candidate: BuildRun, baseline: BuildRun) -> Pat
     comparison = compare_paired(candidate.piqa.correct, baseline.piqa.correct)
     agreement = top1_agreement(candidate.top1, baseline.top1)
     gate = judge_comparison(path.name, comparison, agreement.rate)
-    return PathResult(path, comparison, agreement, gate, candidate.seconds)
+    flipped = (candidate.piqa.choices != baseline.piqa.choices).nonzero().flatten().tolist()
+    return PathResult(path, comparison, agreement, gate, candidate.seconds, tuple(flipped))
 
 
 def evaluate_build(

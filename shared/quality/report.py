@@ -90,6 +90,7 @@ class GateReport:
                 "agreement_positions": p.agreement.positions,
                 "passed": p.gate.passed,
                 "seconds": p.seconds,
+                "flipped_items": list(p.flipped_items),
             }
             for p in evaluation.paths
         ]

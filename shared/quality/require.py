@@ -27,8 +27,9 @@ def require_gate(
     report_path: str | os.PathLike | None = None,
     model: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike | None = None,
-) -> None:
-    """Raise QualityGateError unless `weights` may serve `model` (default: the bundled one).
+) -> GateReport | None:
+    """Raise QualityGateError unless `weights` may serve `model` (default: the bundled one);
+    return the accepted report (None for fp32), whose figures a server may log.
 
     fp32 is the baseline and always may. Any other format needs a report written by a complete
     `splitserve eval` run for this very model file (matched by content hash) whose figures
@@ -36,7 +37,7 @@ def require_gate(
     on reports written before.
     """
     if weights == BASELINE_WEIGHTS:
-        return
+        return None
     if weights not in WEIGHT_FORMATS:
         raise QualityGateError(
             f"unknown weight format '{weights}' (valid: {', '.join(WEIGHT_FORMATS)})"
@@ -48,7 +49,8 @@ def require_gate(
         if report_path is not None
         else default_report_path(fingerprint, weights, cache_dir)
     )
-    fix = f"run `splitserve eval --weights {weights}` on this model, or serve {BASELINE_WEIGHTS}"
+    model_flag = f" --model {model_path}" if model is not None else ""
+    fix = f"run `splitserve eval --weights {weights}{model_flag}`, or serve {BASELINE_WEIGHTS}"
     if not path.is_file():
         raise QualityGateError(
             f"{weights} was never evaluated for {model_path}: no gate report at {path}; {fix}"
@@ -69,8 +71,8 @@ def require_gate(
         )
     if not report.complete:
         raise QualityGateError(
-            f"gate report {path} covers only {report.items} of {report.items_total} PIQA items "
-            f"(a --limit run is a smoke test, not a gate); {fix}"
+            f"gate report {path} is from a partial run ({report.items} of {report.items_total} "
+            f"PIQA items; --limit/--texts runs are smoke tests, not a gate); {fix}"
         )
     if not report.passed:
         raise QualityGateError("; ".join(report.reasons) or f"{weights} failed the quality gate")
@@ -82,3 +84,4 @@ def require_gate(
             f"agreement {report.top1_agreement:.3f}) no longer meets the limits "
             f"({MAX_PIQA_DELTA_POINTS} points, {MIN_TOP1_AGREEMENT}); {fix}"
         )
+    return report

@@ -123,6 +123,18 @@ def _time_limit():
 
 
 @pytest.fixture
+def leftover_children():
+    """Children started during this test that are still running (other tests' long-lived
+    helpers, such as multiprocessing's resource tracker, are not this test's business)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    def still_running() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    return still_running
+
+
+@pytest.fixture
 def children(tmp_path) -> dict[str, str]:
     programs = {
         "ready_server": TEST_CHILD_READY_SERVER,
@@ -297,7 +309,9 @@ def test_start_local_stack_serves_until_stopped_and_cleans_up(monkeypatch, child
     assert (tmp_path / "run" / "coordinator.log").is_file()
 
 
-def test_start_local_stack_stops_everything_when_a_service_dies(monkeypatch, children, tmp_path):
+def test_start_local_stack_stops_everything_when_a_service_dies(
+    leftover_children, monkeypatch, children, tmp_path
+):
     def test_specs(config, config_path):
         server = [PY, children["ready_server"], str(config.coordinator.port), "1000"]
         return [
@@ -312,7 +326,7 @@ def test_start_local_stack_stops_everything_when_a_service_dies(monkeypatch, chi
         start_local_stack(config, startup_timeout_s=20, run_dir=run_dir)
     assert info.value.name == "decode-0"
     assert not (run_dir / "config.yaml").exists()
-    assert psutil.Process().children(recursive=True) == []  # the coordinator went too
+    assert leftover_children() == []  # the coordinator went too
 
 
 def test_resolve_config_picks_distinct_ports_and_shares_cores():
@@ -404,7 +418,9 @@ def _fake_services(monkeypatch, children, tmp_path, worker_argv):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # where `up` puts its run folder
 
 
-def test_up_announces_the_stack_and_stops_cleanly_on_sigterm(monkeypatch, children, tmp_path):
+def test_up_announces_the_stack_and_stops_cleanly_on_sigterm(
+    leftover_children, monkeypatch, children, tmp_path
+):
     _fake_services(
         monkeypatch, children, tmp_path, [PY, children["sleeper"], str(tmp_path / "m"), "d"]
     )
@@ -422,14 +438,16 @@ def test_up_announces_the_stack_and_stops_cleanly_on_sigterm(monkeypatch, childr
         r"splitserve is ready: http://127\.0\.0\.1:\d+/v1 \(model: SmolLM2-135M-Instruct\)\n",
         out.getvalue(),
     )
-    assert psutil.Process().children(recursive=True) == []
+    assert leftover_children() == []
     (run_dir,) = tmp_path.glob(f"splitserve-{os.getpid()}-*")
     assert f"logs: {run_dir}" in err.getvalue()
     assert not (run_dir / "config.yaml").exists() and (run_dir / "decode-0.log").is_file()
     assert signal.getsignal(signal.SIGTERM) is handler_before  # the handler was put back
 
 
-def test_up_fails_naming_a_service_that_dies_after_startup(monkeypatch, children, tmp_path):
+def test_up_fails_naming_a_service_that_dies_after_startup(
+    leftover_children, monkeypatch, children, tmp_path
+):
     go = tmp_path / "crash-now"
     _fake_services(monkeypatch, children, tmp_path, [PY, children["crash"], str(go)])
     out, err = io.StringIO(), io.StringIO()
@@ -444,4 +462,4 @@ def test_up_fails_naming_a_service_that_dies_after_startup(monkeypatch, children
     assert "splitserve is ready" in out.getvalue()
     assert "splitserve: error: decode-0 stopped unexpectedly: exited with code 3" in err.getvalue()
     assert "boom: simulated failure" in err.getvalue()
-    assert psutil.Process().children(recursive=True) == []
+    assert leftover_children() == []
