@@ -83,7 +83,8 @@ def prefix_ttft_ratio(model: LlamaModel, length: int = 2048, cached: int = 1920)
 
 def kv_bytes_read_per_step(model: LlamaModel, context: int) -> int:
     c = model.config
-    return context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    itemsize = torch.empty((), dtype=model.kv_dtype).element_size()
+    return context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
 
 
 def llamacpp_peer(model_path: str, threads: int) -> dict | None:
