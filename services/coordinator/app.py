@@ -25,17 +25,22 @@ from services.coordinator.errors import (
 from services.coordinator.handlers import GenerationHandler, error_response
 from services.coordinator.metrics import APIMetrics
 from services.coordinator.settings import APISettings
+from shared.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(backend: GenerationBackend, settings: APISettings | None = None) -> FastAPI:
-    """An app serving `backend`; the caller owns the backend's lifecycle (start/close)."""
+def create_app(
+    backend: GenerationBackend, settings: APISettings | None = None, tracing: Tracing | None = None
+) -> FastAPI:
+    """An app serving `backend`; the caller owns the backend's (and tracing's) lifecycle."""
     settings = settings or APISettings()
     metrics = APIMetrics()
-    handler = GenerationHandler(backend, settings, metrics)
+    if tracing is not None:
+        tracing.register_metrics(metrics.registry)  # span drops are counted on /metrics
+    handler = GenerationHandler(backend, settings, metrics, tracing)
     app = FastAPI(title="splitserve coordinator", docs_url=None, redoc_url=None)
     app.state.backend = backend
     app.state.settings = settings

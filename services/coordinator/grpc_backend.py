@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from services.coordinator.backend import (
     BackendError,
@@ -34,6 +35,9 @@ from services.worker.convert import (
 from shared.engine.output import TextTracker
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.telemetry import attributes as A
+from shared.telemetry.propagation import current_trace_metadata
+from shared.telemetry.rpc_spans import RpcSpan, describe_route
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -43,9 +47,14 @@ _DEAD_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Stat
 
 class GrpcBackend:
     def __init__(
-        self, registry: WorkerRegistry, models: list[ModelInfo], transfer_deadline_s: float
+        self,
+        registry: WorkerRegistry,
+        models: list[ModelInfo],
+        transfer_deadline_s: float,
+        tracer: trace.Tracer | None = None,
     ):
         self.registry = registry
+        self._tracer = tracer or trace.NoOpTracer()
         self._models = {m.id: m for m in models}
         self.transfer_deadline_s = transfer_deadline_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -55,7 +64,13 @@ class GrpcBackend:
 
     async def health(self) -> dict[str, Any]:
         workers = {
-            w.worker_id: {"role": w.role, "model": w.model, "alive": w.alive, "address": w.address}
+            w.worker_id: {
+                "role": w.role,
+                "model": w.model,
+                "alive": w.alive,
+                "address": w.address,
+                "metrics_address": w.metrics_address,
+            }
             for w in self.registry.workers.values()
         }
         return {"ready": self.registry.is_ready(), "workers": workers}
@@ -75,7 +90,14 @@ class GrpcBackend:
         info = self._models.get(req.model)
         if info is None:
             raise BackendRequestError("model", f"model '{req.model}' is not served here")
-        decision = choose_pair(self.registry, req.model)
+        with self._tracer.start_as_current_span(A.SPAN_ROUTE) as span:
+            decision = choose_pair(self.registry, req.model)
+            describe_route(
+                span,
+                decision.prefill.worker_id if decision and decision.prefill else None,
+                decision.decode.worker_id if decision else None,
+                decision.reasoning if decision else [],
+            )
         if decision is None:
             raise BackendUnavailable(
                 f"no healthy replica for model '{req.model}'", retry_after_s=1.0
@@ -102,13 +124,20 @@ class GrpcBackend:
         first_token = None
         prefill_cached = 0  # the decode replica did not compute the prompt: prefill's count
         sent = 0
-        meta = {"replica": decision.describe(), "routing": decision.reasoning}
+        meta = {
+            "replica": decision.describe(),
+            "routing": decision.reasoning,
+            **current_trace_metadata(),
+        }
         decode.in_flight += 1
         if decision.prefill is not None:
             decision.prefill.in_flight += 1
         try:
             if decision.prefill is not None:
                 prefill = decision.prefill
+                span = RpcSpan(
+                    self._tracer, A.SPAN_PREFILL, "Prefill", prefill.worker_id, prefill.address
+                )
                 try:
                     resp = await self._stub(prefill).Prefill(
                         pb.PrefillRequest(
@@ -118,12 +147,16 @@ class GrpcBackend:
                                 agent_name=decode.transfer_agent,
                                 deadline_s=self.transfer_deadline_s,
                             ),
-                        )
+                        ),
+                        metadata=span.metadata,
                     )
+                    span.record_prefill(resp)
                 except grpc.aio.AioRpcError as exc:
+                    span.fail(exc)
                     raise self._failure(prefill, exc) from exc
                 finally:
                     prefill.in_flight -= 1
+                    span.end()
                 first_token = resp.first_token
                 prefill_cached = resp.num_cached_tokens
                 meta["transfer"] = {
@@ -157,9 +190,11 @@ class GrpcBackend:
             request = pb.DecodeRequest(
                 spec=spec, kv_transferred=first_token is not None, first_token=first_token or 0
             )
-            call = self._stub(decode).Decode(request)
+            span = RpcSpan(self._tracer, A.SPAN_DECODE, "Decode", decode.worker_id, decode.address)
+            call = self._stub(decode).Decode(request, metadata=span.metadata)
             try:
                 async for msg in call:
+                    span.record_chunk(len(msg.token_ids), msg.finished, msg.num_output_tokens)
                     chunk = self._chunk(
                         tracker,
                         list(msg.token_ids),
@@ -179,9 +214,11 @@ class GrpcBackend:
                     if chunk.finished:
                         return
             except grpc.aio.AioRpcError as exc:
+                span.fail(exc)
                 raise self._failure(decode, exc) from exc
             finally:
                 call.cancel()
+                span.end()
             raise BackendError(
                 f"decode replica {decode.worker_id} ended the stream without finishing"
             )

@@ -48,6 +48,8 @@ from services.coordinator.response_format import ChatFormat, CompletionFormat, R
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
 from services.coordinator.tiers import resolve_tier
+from shared.telemetry.http_span import RequestTrace
+from shared.telemetry.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +79,38 @@ class _Progress:
     tier: str = UNKNOWN
     first_token: float | None = None
     last_token: dict[int, float] = field(default_factory=dict)
+    trace: RequestTrace | None = None  # ended with the request's outcome, in `_count`
 
 
 class GenerationHandler:
-    def __init__(self, backend: GenerationBackend, settings: APISettings, metrics: APIMetrics):
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        settings: APISettings,
+        metrics: APIMetrics,
+        tracing: Tracing | None = None,
+    ):
         self.backend = backend
         self.settings = settings
         self.metrics = metrics
+        self.tracing = tracing or Tracing.disabled()
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        trace = RequestTrace(
+            self.tracing, request.headers, endpoint, request.method, request.url.path
+        )
+        with trace.active():  # backend calls started inside become child spans
+            try:
+                response = await self._handle(request, endpoint, trace)
+            except BaseException as exc:
+                trace.fail(exc)
+                raise
+        response.headers.update(trace.headers())
+        return response
+
+    async def _handle(self, request: Request, endpoint: Endpoint, trace: RequestTrace) -> Response:
         spec = ENDPOINTS[endpoint]
-        progress = _Progress()
+        progress = _Progress(trace=trace)
         try:
             check_api_key(request, self.settings.api_keys)
             data = await read_json_object(request, self.settings.max_body_bytes)
@@ -98,6 +121,7 @@ class GenerationHandler:
             model = self._model(body.model or self.settings.model_id)
             progress.model, progress.tier = model.id, resolve_tier(body.service_tier)
             plan = await run_in_threadpool(spec.planner, body, model, self.settings)
+            _describe(trace, plan, body)
             state = ResponseState(plan)
             streams = ChoiceStreams(self.backend, plan.requests)
             try:
@@ -187,6 +211,8 @@ class GenerationHandler:
         if progress.first_token is None:
             progress.first_token = now
             self.metrics.ttft.labels(*labels).observe(now - progress.started)
+            if progress.trace is not None:
+                progress.trace.first_token()
         previous = progress.last_token.get(index)
         if previous is not None:
             gap = (now - previous) / len(chunk.token_ids)
@@ -209,10 +235,46 @@ class GenerationHandler:
         if outcome == 200:
             elapsed = time.monotonic() - progress.started
             self.metrics.e2e.labels(progress.model, progress.tier).observe(elapsed)
-        self._count(progress, endpoint, outcome)
+        metadata = state.metadata()
+        if progress.trace is not None:
+            progress.trace.record_result(
+                input_tokens=usage["prompt_tokens"],
+                output_tokens=usage["completion_tokens"],
+                cached_tokens=cached,
+                finish_reasons=[c.finish_reason for c in state.choices if c.finish_reason],
+                metadata=metadata,
+                outputs=[c.text for c in state.choices],
+            )
+        self._count(progress, endpoint, outcome, metadata)
 
-    def _count(self, progress: _Progress, endpoint: str, status: int | str) -> None:
+    def _count(
+        self,
+        progress: _Progress,
+        endpoint: str,
+        status: int | str,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self.metrics.count_request(progress.model, progress.tier, endpoint, status)
+        self.metrics.count_outcome(progress.model, progress.tier, status, metadata or {})
+        if progress.trace is not None:
+            progress.trace.end(status)
+
+
+def _describe(trace: RequestTrace, plan: Plan, body: BaseModel) -> None:
+    params = plan.requests[0].params if plan.requests else None
+    trace.describe(
+        model=plan.model.id,
+        tier=plan.tier,
+        stream=plan.stream,
+        response_id=plan.response_id,
+        choices=len(plan.requests),
+        max_tokens=params.max_tokens if params else None,
+        temperature=params.temperature if params else None,
+        top_p=params.top_p if params else None,
+        seed=params.seed if params else None,
+    )
+    if trace.capture_content:
+        trace.record_input(body.model_dump(mode="json", include={"messages", "prompt"}))
 
 
 def _check_finished(state: ResponseState) -> None:

@@ -21,6 +21,7 @@ from shared.config.schema import ConfigError, DeploymentConfig
 from shared.model.gguf_file import read_gguf_config
 from shared.model.loader import default_model_path
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.telemetry.tracing import Tracing
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ async def serve_coordinator(config: DeploymentConfig) -> None:
     c = config.coordinator
     grpc_server.add_insecure_port(f"{c.host}:{c.registry_port}")
     await grpc_server.start()
-    backend = GrpcBackend(registry, infos, config.transfer.deadline_s)
+    tracing = Tracing.from_config(config.telemetry, "splitserve-coordinator")
+    backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
     settings = APISettings(
         model_id=config.models[0].id,
         max_body_bytes=c.max_body_bytes,
@@ -79,7 +81,7 @@ async def serve_coordinator(config: DeploymentConfig) -> None:
         default_max_tokens=min(c.default_max_tokens, c.max_tokens_limit),
         api_keys=api_keys(config),
     )
-    app = create_app(backend, settings)
+    app = create_app(backend, settings, tracing)
     server = uvicorn.Server(
         uvicorn.Config(app, host=c.host, port=c.port, log_level="warning", lifespan="on")
     )
@@ -97,6 +99,7 @@ async def serve_coordinator(config: DeploymentConfig) -> None:
         reaper.cancel()
         await grpc_server.stop(grace=2.0)
         await backend.close()
+        await asyncio.to_thread(tracing.shutdown)
 
 
 def run_coordinator(config: DeploymentConfig) -> None:

@@ -13,6 +13,9 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # strings, and a label per typo would grow the registry without bound.
 UNKNOWN = "unknown"
 
+# Routing attempts beyond this share one label value (bounded label cardinality).
+_MAX_ATTEMPT_LABEL = 5
+
 
 class APIMetrics:
     def __init__(self) -> None:
@@ -62,6 +65,21 @@ class APIMetrics:
             registry=self.registry,
         )
 
+        self.outcomes = Counter(
+            "splitserve_request_outcomes",
+            "Finished API requests by outcome (success, client_error, unavailable, "
+            "server_error, client_closed, stream_error) and the routing attempt that served "
+            "them (1 = first choice, higher = after fallbacks)",
+            (*labels, "outcome", "attempt"),
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "splitserve_request_migrations",
+            "Requests whose decoding moved to another replica mid-stream",
+            labels,
+            registry=self.registry,
+        )
+
     def count_request(self, model: str, tier: str, endpoint: str, status: int | str) -> None:
         self.requests.labels(model, tier, endpoint, str(status)).inc()
 
@@ -72,5 +90,37 @@ class APIMetrics:
         self.cached_tokens.labels(model, tier).inc(cached)
         self.completion_tokens.labels(model, tier).inc(completion)
 
+    def count_outcome(
+        self, model: str, tier: str, status: int | str, metadata: dict[str, str]
+    ) -> None:
+        """`metadata` is the response's: backends report `fallback_attempts` and
+        `migrations` there (absent means none)."""
+        fallbacks = _count_value(metadata.get("fallback_attempts"))
+        attempt = min(1 + fallbacks, _MAX_ATTEMPT_LABEL)
+        attempt_label = f"{attempt}+" if attempt == _MAX_ATTEMPT_LABEL else str(attempt)
+        self.outcomes.labels(model, tier, outcome_of(status), attempt_label).inc()
+        migrations = _count_value(metadata.get("migrations"))
+        if migrations:
+            self.migrations.labels(model, tier).inc(migrations)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def outcome_of(status: int | str) -> str:
+    if status == 200:
+        return "success"
+    if status == 499:
+        return "client_closed"
+    if status in (429, 503):
+        return "unavailable"
+    if isinstance(status, int):
+        return "client_error" if status < 500 else "server_error"
+    return str(status)  # stream_error
+
+
+def _count_value(value: str | None) -> int:
+    try:
+        return max(0, int(value)) if value is not None else 0
+    except ValueError:
+        return 0

@@ -33,6 +33,7 @@ class WorkerInfo:
     alive: bool = True
     in_flight: int = 0  # requests this coordinator has routed there and not yet seen end
     kv_event_seq: int = 0
+    metrics_address: str = ""  # host:port of its Prometheus /metrics; "" = not reported
 
     @property
     def can_prefill(self) -> bool:

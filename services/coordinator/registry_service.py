@@ -43,6 +43,7 @@ class RegistryService(pb_grpc.RegistryServicer):
                 transfer_agent=request.transfer_agent.decode(),
                 max_model_len=request.max_model_len,
                 load=load_from_proto(request.load),
+                metrics_address=request.metrics_address,
             )
         )
         log.info(

@@ -37,9 +37,16 @@ def load_proto(runtime: WorkerRuntime) -> pb.WorkerLoad:
 
 
 class RegistryClient:
-    def __init__(self, runtime: WorkerRuntime, registry_address: str, worker_address: str):
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        registry_address: str,
+        worker_address: str,
+        metrics_address: str = "",
+    ):
         self.runtime = runtime
         self.worker_address = worker_address
+        self.metrics_address = metrics_address
         self._channel = grpc.aio.insecure_channel(registry_address)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self.interval_s = runtime.config.coordinator.heartbeat_interval_s
@@ -62,6 +69,7 @@ class RegistryClient:
             transfer_backend=rt.transfer_kind,
             transfer_agent=agent_name.encode(),
             weights=rt.model_cfg.weights,
+            metrics_address=self.metrics_address,
         )
 
     async def register(self, attempts: int = 600) -> None:

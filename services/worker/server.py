@@ -18,13 +18,15 @@ from services.worker.runtime import WorkerRuntime
 from shared.config.schema import DeploymentConfig
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.telemetry.worker_telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runtime: WorkerRuntime):
+    def __init__(self, runtime: WorkerRuntime, telemetry: WorkerTelemetry):
         self.runtime = runtime
+        self.telemetry = telemetry
         self.prefill_service = (
             PrefillService(runtime) if runtime.role in ("prefill", "both") else None
         )
@@ -35,15 +37,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no prefill role"
             )
-        return await self.prefill_service.prefill(request, context)
+        with self.telemetry.spans.prefill(request, context.invocation_metadata()) as trace:
+            response = await self.prefill_service.prefill(request, context)
+            trace.record(response)
+        if response.transfer.status not in ("", "skipped"):
+            self.telemetry.metrics.observe_push(response.transfer.backend, response.transfer.status)
+        return response
 
     async def Decode(self, request, context):
         if self.decode_service is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no decode role"
             )
-        async for chunk in self.decode_service.decode(request, context):
-            yield chunk
+        with self.telemetry.spans.decode(request, context.invocation_metadata()) as trace:
+            async for chunk in self.decode_service.decode(request, context):
+                trace.observe(chunk)
+                yield chunk
 
     async def Abort(self, request, context):
         self.runtime.async_engine.abort(request.request_id)
@@ -66,9 +75,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index: int) -> None:
     runtime = WorkerRuntime(config, model_id, role, index)
+    telemetry = WorkerTelemetry.create(  # before the engine thread starts: it adds an observer
+        config, runtime.engine, worker_id=runtime.worker_id, role=role, model=model_id
+    )
     runtime.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    servicer = WorkerServicer(runtime)
+    servicer = WorkerServicer(runtime, telemetry)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     control = None
     if role in ("decode", "both"):
@@ -78,7 +90,7 @@ async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index
     await server.start()
     address = f"{config.worker_host}:{port}"
     registry_address = f"{config.coordinator.host}:{config.coordinator.registry_port}"
-    registry = RegistryClient(runtime, registry_address, address)
+    registry = RegistryClient(runtime, registry_address, address, telemetry.metrics_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,7 +98,12 @@ async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index
     tasks = []
     try:
         await registry.register()
-        log.info("worker %s serving on %s", runtime.worker_id, address)
+        log.info(
+            "worker %s serving on %s (metrics on http://%s/metrics)",
+            runtime.worker_id,
+            address,
+            telemetry.metrics_address,
+        )
         tasks = [
             asyncio.create_task(registry.heartbeat_forever()),
             asyncio.create_task(runtime.expire_parked_forever()),
@@ -103,6 +120,7 @@ async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index
             await servicer.prefill_service.close()
         await registry.close()
         await runtime.stop()
+        await asyncio.to_thread(telemetry.close)
 
 
 def run_worker(config: DeploymentConfig, model_id: str, role: str, index: int) -> None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 TransferBackendName = Literal["shm", "tcp", "nixl", "fake"]
 WeightsName = Literal["fp32", "bf16", "int8", "int4", "auto"]
 RoleName = Literal["prefill", "decode", "both"]
+ExporterName = Literal["none", "file", "otlp_grpc", "otlp_http"]
 
 
 class _Strict(BaseModel):
@@ -88,12 +89,30 @@ class CoordinatorConfig(_Strict):
         return self
 
 
+class TelemetryConfig(_Strict):
+    """Where traces go. Metrics are always on (every service serves /metrics)."""
+
+    exporter: ExporterName = "none"
+    endpoint: str | None = Field(
+        None, description="OTLP collector; default localhost:4317 (gRPC) or :4318/v1/traces"
+    )
+    file: str = Field("splitserve-traces.jsonl", description="JSON-lines file (exporter: file)")
+    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0, description="errors are always kept")
+    capture_content: bool = Field(False, description="put prompt and completion text on spans")
+    export_queue_size: int = Field(2048, ge=1, description="spans beyond this are dropped")
+    export_timeout_s: float = Field(5.0, gt=0)
+    worker_metrics_port: int = Field(
+        0, ge=0, le=65535, description="workers' /metrics port; 0 = free port, sent at registration"
+    )
+
+
 class DeploymentConfig(_Strict):
     block_size: int = Field(16, description="tokens per KV block; router and workers must agree")
     models: list[ModelDeployment] = Field(default_factory=lambda: [ModelDeployment()], min_length=1)
     transfer: TransferConfig = TransferConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     worker_host: str = "127.0.0.1"
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @field_validator("block_size")
     @classmethod

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -95,6 +96,9 @@ class Engine:
         self._prompt_logprobs: dict[str, list[float | None]] = {}
         self._ids = itertools.count()
         self.stop_token_ids: frozenset[int] = tokenizer.stop_token_ids if tokenizer else frozenset()
+        # Called on the engine thread after every non-empty step with (plan, start_ns, end_ns)
+        # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
+        self.step_observers: list[Callable[[SchedulerOutput, int, int], None]] = []
 
     # -- requests ------------------------------------------------------------------------
 
@@ -244,6 +248,7 @@ class Engine:
     # -- the step loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start_ns = time.time_ns()
         plan: SchedulerOutput = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -251,7 +256,12 @@ class Engine:
             i for i, s in enumerate(plan.scheduled) if s.seq.request_id in self._prompt_logprobs
         }
         result = self.runner.run(plan.scheduled, want)
-        return self._postprocess(plan, result)
+        outputs = self._postprocess(plan, result)
+        if self.step_observers:
+            end_ns = time.time_ns()
+            for observe in self.step_observers:
+                observe(plan, start_ns, end_ns)
+        return outputs
 
     def _postprocess(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

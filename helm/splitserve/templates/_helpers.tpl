@@ -1,0 +1,143 @@
+{{/* Names, labels and the image: shared by every template. */}}
+
+{{- define "splitserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* 32 characters at most: a pool is named <fullname>-<model slug (22)>-prefill, and
+     Service names must fit a 63-character DNS label. */}}
+{{- define "splitserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 32 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 32 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 32 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels; call with (dict "root" $ "component" "coordinator" ["model" slug]). */}}
+{{- define "splitserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "splitserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- with .model }}
+splitserve.io/model: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.labels" -}}
+helm.sh/chart: {{ include "splitserve.chart" .root }}
+{{ include "splitserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: splitserve
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels of an object that belongs to the release as a whole. */}}
+{{- define "splitserve.releaseLabels" -}}
+{{ include "splitserve.labels" (dict "root" . "component" "release") }}
+{{- end -}}
+
+{{- define "splitserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "splitserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "splitserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.coordinatorName" -}}
+{{- printf "%s-coordinator" (include "splitserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "splitserve.plannerName" -}}
+{{- printf "%s-planner" (include "splitserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "splitserve.apiKeysSecretName" -}}
+{{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "splitserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* Where workers reach the coordinator's registry (config.yaml's coordinator.host). */}}
+{{- define "splitserve.coordinatorHost" -}}
+{{- printf "%s-registry.%s.svc" (include "splitserve.coordinatorName" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* Where the planner and `helm test` reach the coordinator's HTTP API. */}}
+{{- define "splitserve.coordinatorURL" -}}
+{{- printf "http://%s.%s.svc:%d" (include "splitserve.coordinatorName" .) .Release.Namespace (int .Values.coordinator.service.port) -}}
+{{- end -}}
+
+{{/* A model id as a DNS label: lower case, runs of anything else become one "-". */}}
+{{- define "splitserve.modelSlug" -}}
+{{- $slug := regexReplaceAll "[^a-z0-9]+" (lower .) "-" | trimAll "-" | trunc 22 | trimSuffix "-" -}}
+{{- if not $slug -}}
+{{- fail (printf "models: id %q has no letter or digit to name its Kubernetes objects after" .) -}}
+{{- end -}}
+{{- $slug -}}
+{{- end -}}
+
+{{/* Name of one pool's Deployment and Service; call with (dict "root" $ "id" ID "role" R). */}}
+{{- define "splitserve.poolName" -}}
+{{- printf "%s-%s-%s" (include "splitserve.fullname" .root) (include "splitserve.modelSlug" .id) .role -}}
+{{- end -}}
+
+{{/* Pod-level security and the volumes every splitserve container mounts. */}}
+{{- define "splitserve.podSecurity" -}}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.commonVolumes" -}}
+- name: config
+  configMap:
+    name: {{ include "splitserve.fullname" . }}-config
+- name: tmp
+  emptyDir: {}
+{{- with .Values.modelStorage.volume }}
+- name: models
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.commonMounts" -}}
+- name: config
+  mountPath: /etc/splitserve
+  readOnly: true
+# The root filesystem is read-only: scratch files, caches and HOME live here.
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.modelStorage.volume }}
+- name: models
+  mountPath: {{ .Values.modelStorage.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- end -}}

@@ -1,0 +1,203 @@
+"""`splitserve bench overhead`: what tracing costs a request.
+
+Three local stacks, identical but for `telemetry:`: tracing off; on at 100% sampling to the
+JSON-lines file; on at 100% to OTLP/gRPC (an in-process receiver standing in for the
+collector). All three run at once and are driven in turn, round after round, in a rotating
+order, so that drift on a shared machine (thermal, other jobs) falls on every mode alike.
+Each round is a closed loop of streamed chat requests at a fixed concurrency.
+
+Headline keys are the worse of the two tracing modes against off:
+`tracing_throughput_ratio` (on / off, target >= 0.98) and `tracing_ttft_p50_delta_ms`
+(on - off, target <= 1 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from services.bench.load import RequestTiming, filler_text, percentile, stream_chat
+from services.bench.plots import timing_samples
+from services.launcher import LocalStack, start_local_stack
+from shared.config.schema import parse_config
+from shared.model.loader import DEFAULT_MODEL_ID
+from shared.telemetry.file_export import read_span_file
+from shared.telemetry.receiver import OtlpReceiver
+
+MODES = ("off", "file", "otlp")
+THROUGHPUT_TARGET = 0.98
+TTFT_DELTA_TARGET_MS = 1.0
+
+
+def _config(mode: str, weights: str, trace_file: Path, otlp_endpoint: str) -> dict:
+    telemetry = {
+        "off": {"exporter": "none"},
+        "file": {"exporter": "file", "file": str(trace_file), "sampling_ratio": 1.0},
+        "otlp": {"exporter": "otlp_grpc", "endpoint": otlp_endpoint, "sampling_ratio": 1.0},
+    }[mode]
+    return {
+        "coordinator": {"port": 0, "registry_port": 0},
+        "transfer": {"backend": "shm"},
+        "telemetry": telemetry,
+        "models": [
+            {
+                "id": DEFAULT_MODEL_ID,
+                "weights": weights,
+                "pools": {"prefill": 1, "decode": 1},
+                "worker": {"kv_cache_bytes": 96 << 20, "host_cache_bytes": 32 << 20, "threads": 1},
+            }
+        ],
+    }
+
+
+def _body(i: int, max_tokens: int) -> dict:
+    return {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [
+            {"role": "system", "content": "You are a cheerful companion in a chat app."},
+            {"role": "user", "content": filler_text(40, i)},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+async def _round(
+    base_url: str, requests: int, concurrency: int, max_tokens: int, first_id: int
+) -> tuple[list[RequestTiming], float]:
+    """A closed loop: `concurrency` clients, `requests` in all. Returns timings, wall s."""
+    url = f"{base_url}/chat/completions"
+    ids = iter(range(first_id, first_id + requests))
+    timings: list[RequestTiming] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for i in ids:
+            timings.append(await stream_chat(http, url, _body(i, max_tokens), "chat"))
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        return timings, time.perf_counter() - start
+
+
+def _summary(timings: list[RequestTiming], wall_s: float) -> dict:
+    ok = [t for t in timings if t.error is None]
+    ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
+    itl = [x for t in ok for x in t.itl_ms]
+    tokens = sum(t.tokens for t in ok)
+    return {
+        "requests": len(timings),
+        "errors": len(timings) - len(ok),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "throughput_tok_s": tokens / wall_s if wall_s else None,
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "itl_p50_ms": percentile(itl, 0.5),
+    }
+
+
+def run(
+    weights: str = "fp32",
+    requests: int = 8,
+    concurrency: int = 4,
+    max_tokens: int = 32,
+    rounds: int = 3,
+    startup_timeout_s: float = 300.0,
+) -> dict:
+    result: dict = {
+        "weights": weights,
+        "requests_per_round": requests,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "sampling_ratio": 1.0,
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="splitserve-overhead-") as tmp,
+        OtlpReceiver() as receiver,
+        contextlib.ExitStack() as stacks,
+    ):
+        trace_file = Path(tmp) / "traces.jsonl"
+        running: dict[str, LocalStack] = {}
+        for mode in MODES:
+            config = parse_config(_config(mode, weights, trace_file, receiver.endpoint))
+            running[mode] = stacks.enter_context(
+                start_local_stack(config, startup_timeout_s, run_dir=Path(tmp) / mode)
+            )
+        for n, mode in enumerate(MODES):  # first-touch costs are not what we measure
+            asyncio.run(_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n))
+        timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}
+        walls = dict.fromkeys(MODES, 0.0)
+        for r in range(rounds):
+            for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+                got, wall = asyncio.run(
+                    _round(running[mode].base_url, requests, concurrency, max_tokens, r * requests)
+                )
+                timings[mode].extend(got)
+                walls[mode] += wall
+        stacks.close()  # flushes every service's spans before they are counted
+        result["spans_written_file"] = len(read_span_file(trace_file)) if trace_file.exists() else 0
+        result["spans_received_otlp"] = len(receiver.spans)
+    for mode in MODES:
+        result[mode] = _summary(timings[mode], walls[mode])
+    result["samples"] = {mode: timing_samples(timings[mode]) for mode in MODES}
+    _headline(result)
+    return result
+
+
+def _headline(result: dict) -> None:
+    off = result["off"]
+    ratios, deltas = {}, {}
+    for mode in ("file", "otlp"):
+        on = result[mode]
+        if off["throughput_tok_s"] and on["throughput_tok_s"]:
+            ratios[mode] = on["throughput_tok_s"] / off["throughput_tok_s"]
+        if off["ttft_p50_ms"] is not None and on["ttft_p50_ms"] is not None:
+            deltas[mode] = on["ttft_p50_ms"] - off["ttft_p50_ms"]
+        result[f"tracing_throughput_ratio_{mode}"] = ratios.get(mode)
+        result[f"tracing_ttft_p50_delta_ms_{mode}"] = deltas.get(mode)
+    result["tracing_throughput_ratio"] = min(ratios.values()) if ratios else None
+    result["tracing_ttft_p50_delta_ms"] = max(deltas.values()) if deltas else None
+
+
+def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
+    off = r["off"]
+    rows: list[tuple[str, object, object, object]] = []
+    for mode in ("file", "otlp"):
+        on = r[mode]
+        rows.append(
+            (
+                f"throughput tok/s ({mode} vs off)",
+                on["throughput_tok_s"],
+                off["throughput_tok_s"],
+                r[f"tracing_throughput_ratio_{mode}"],
+            )
+        )
+        rows.append((f"TTFT p50 ms ({mode} vs off)", on["ttft_p50_ms"], off["ttft_p50_ms"], None))
+    rows.append(
+        (
+            "tracing_throughput_ratio (>= target)",
+            r["tracing_throughput_ratio"],
+            THROUGHPUT_TARGET,
+            None,
+        )
+    )
+    rows.append(
+        (
+            "tracing_ttft_p50_delta_ms (<= target)",
+            r["tracing_ttft_p50_delta_ms"],
+            TTFT_DELTA_TARGET_MS,
+            None,
+        )
+    )
+    rows.append(("errors (off/file/otlp)", "/".join(str(r[m]["errors"]) for m in MODES), 0, None))
+    return rows

@@ -1,0 +1,189 @@
+"""`splitserve profile` (measure one replica), `splitserve tune` (recommend pool sizes for a
+trace and an SLO) and `splitserve bench tune`."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands.common import WEIGHT_FORMATS, fail
+
+ROUTERS = ("least_loaded", "round_robin", "prefix_only", "kv_aware")
+
+
+def add_commands(sub) -> None:
+    prof = sub.add_parser("profile", help="measure one replica here: the tuner's calibration")
+    prof.add_argument("--json", required=True, metavar="OUT", help="write the profile here")
+    prof.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    prof.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
+    prof.add_argument(
+        "--threads", type=_positive_int, default=1, help="torch threads (a local replica's: 1)"
+    )
+    prof.add_argument("--quick", action="store_true", help="fewer points (under a minute)")
+    prof.add_argument(
+        "--kv-cache-bytes",
+        type=_positive_int,
+        default=256 << 20,
+        help="a replica's KV cache (its prefix-cache size in the simulator)",
+    )
+    prof.set_defaults(handler=run_profile_cmd)
+
+    tune = sub.add_parser(
+        "tune", help="recommend prefill:decode pool sizes that meet an SLO on a trace"
+    )
+    tune.add_argument("--trace", required=True, help="Mooncake JSONL or Azure CSV trace")
+    tune.add_argument(
+        "--profile", default=None, help="from `splitserve profile` (default: the shipped one)"
+    )
+    tune.add_argument(
+        "--slo", required=True, type=_slo, help="e.g. ttft_p99_ms=2000,itl_p99_ms=150"
+    )
+    tune.add_argument(
+        "--tier",
+        type=_tier_mix,
+        default=None,
+        help="tier mix of the requests, e.g. priority=0.2,default=0.6,batch=0.2 (default: all "
+        "default); higher tiers go first in every queue",
+    )
+    tune.add_argument(
+        "--slo-tiers",
+        default=None,
+        help="tiers the SLO must hold for, e.g. priority,default (default: all but flex, batch)",
+    )
+    tune.add_argument("--max-replicas", type=_at_least_two, default=32)
+    tune.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=1.0,
+        help="stretch inter-arrival times (2 = half the trace's request rate)",
+    )
+    tune.add_argument(
+        "--length-scale",
+        type=_positive_float,
+        default=1.0,
+        help="multiply prompt and output lengths (fit a big model's trace to a small replica)",
+    )
+    tune.add_argument("--router", default="least_loaded", choices=ROUTERS)
+    tune.add_argument(
+        "--cache-tokens",
+        type=_non_negative_int,
+        default=None,
+        help="prefix cache per prefill replica (default: the profile's KV capacity)",
+    )
+    tune.add_argument("--decode-max-batch", type=_positive_int, default=64)
+    tune.add_argument("--model-id", default="SmolLM2-135M-Instruct", help="for the values")
+    tune.add_argument(
+        "--validate",
+        action="store_true",
+        help="also replay a short slice on a live local stack and report the sim's error",
+    )
+    tune.add_argument("--validate-requests", type=_positive_int, default=30)
+    tune.add_argument("--json", default=None, metavar="OUT")
+    tune.set_defaults(handler=run_tune_cmd)
+
+
+def add_bench(kinds) -> None:
+    bench = kinds.add_parser(
+        "tune", help="the tuner on the Mooncake and Azure traces, and its error vs a live run"
+    )
+    bench.add_argument("--profile", default=None, help="default: the shipped profile")
+    bench.add_argument("--no-live", action="store_true", help="skip the live comparison")
+    bench.add_argument("--live-requests", type=_positive_int, default=30)
+    bench.add_argument("--json", default=None, metavar="OUT")
+    bench.set_defaults(handler=run_bench_cmd)
+
+
+# -- handlers ----------------------------------------------------------------------------
+
+
+def run_profile_cmd(args: argparse.Namespace) -> int:
+    from services.profiler.run import run_profile
+
+    profile = run_profile(
+        weights=args.weights,
+        model_path=args.model,
+        threads=args.threads,
+        quick=args.quick,
+        kv_cache_bytes=args.kv_cache_bytes,
+    )
+    profile.save(args.json)
+    d, t = profile.decode, profile.transfer
+    print(f"prefill 1k tokens alone: {profile.prefill_ms(1024):.0f} ms")
+    print(f"decode step, batch 8 at 1k context: {d.step(8, 8 * 1024):.1f} ms")
+    print(f"KV transfer: {t.latency_ms:.2f} ms + {t.gb_s:.2f} GB/s")
+    print(f"profile written to {args.json}")
+    return 0
+
+
+def run_tune_cmd(args: argparse.Namespace) -> int:
+    from services.tuner.cli_run import TuneOptions, run_tune
+
+    try:
+        return run_tune(TuneOptions.from_args(args))
+    except ValueError as exc:  # TraceError, ProfileError, bad options: the message says where
+        return fail(str(exc))
+
+
+def run_bench_cmd(args: argparse.Namespace) -> int:
+    from services.tuner.bench import run_bench
+
+    try:
+        return run_bench(args.profile, live=not args.no_live, live_requests=args.live_requests,
+                         json_path=args.json)
+    except ValueError as exc:
+        return fail(str(exc))
+
+
+# -- argument types ----------------------------------------------------------------------
+
+
+def _slo(text: str):
+    from services.tuner.slo import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tier_mix(text: str) -> dict[str, float]:
+    from services.tuner.fleet import parse_tier_mix
+
+    try:
+        return parse_tier_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number(text: str, kind):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not positive")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _at_least_two(text: str) -> int:
+    value = _number(text, int)
+    if value < 2:
+        raise argparse.ArgumentTypeError("needs at least 2 (one prefill and one decode replica)")
+    return value

@@ -1,0 +1,138 @@
+"""`splitserve bench tune`: the tuner on the two traces in `traces/`, how fast it simulates,
+and how far its predictions are from a live local run of a short slice of each.
+
+The traces come from fleets of large models on GPUs; the profile is a 135M model on one CPU
+thread. So each trace is mapped onto this hardware by a length scale (fewer tokens per
+request, same arrival pattern and length mix) chosen so the recommended fleet is a few to a
+few tens of replicas, and the SLO is set from the profile: TTFT p99 within
+`TTFT_SLO_FACTOR` of the trace's p99 *unloaded* TTFT (each prompt alone on a replica: the
+floor no fleet size can beat) and ITL p99 within `ITL_SLO_FACTOR` of a lone sequence's step.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.profiler.costmodel import ReplicaProfile
+from services.tuner.cli_run import load_profile_or_default, profile_summary
+from services.tuner.fleet import FleetConfig
+from services.tuner.report import tune_json
+from services.tuner.search import Evaluator, tune
+from services.tuner.slo import SLO
+from services.tuner.trace import Trace, load_trace
+
+TRACES_DIR = Path(__file__).resolve().parents[2] / "traces"
+TTFT_SLO_FACTOR = 2.0
+ITL_SLO_FACTOR = 4.0
+MAX_REPLICAS = 48
+RPS_TARGET = 1700.0
+ERROR_TARGET = 0.2
+
+
+@dataclass(frozen=True)
+class BenchTrace:
+    key: str
+    file: str
+    length_scale: float
+    live_length_scale: float  # for the live slice (capped again at 1500 / 64 tokens)
+
+
+BENCH_TRACES = (
+    BenchTrace("mooncake_conversation", "mooncake_conversation_trace.jsonl", 1 / 32, 1 / 32),
+    BenchTrace("azure_conv", "AzureLLMInferenceTrace_conv.csv", 1 / 8, 1 / 8),
+)
+
+
+def bench_slo(trace: Trace, profile: ReplicaProfile) -> SLO:
+    unloaded = np.array(
+        [
+            profile.prefill_ms(int(n)) + profile.transfer.ms(int(n) * profile.kv_bytes_per_token)
+            for n in trace.input_tokens
+        ]
+    )
+    context = float(np.median(trace.input_tokens + trace.output_tokens // 2))
+    lone_step = profile.decode.step(1, context)
+    return SLO(
+        {
+            "ttft_p99_ms": round(TTFT_SLO_FACTOR * float(np.percentile(unloaded, 99))),
+            "itl_p99_ms": round(ITL_SLO_FACTOR * lone_step),
+        }
+    )
+
+
+def run_bench(
+    profile_path: str | None, live: bool, live_requests: int, json_path: str | None
+) -> int:
+    from services.bench.report import machine_info, print_table, write_json
+
+    profile, used_path = load_profile_or_default(profile_path)
+    report: dict = {
+        "profile": profile_summary(profile, used_path),
+        "targets": {"requests_per_s_simulated": RPS_TARGET, "sim_vs_live_p50_error": ERROR_TARGET},
+        "traces": {},
+    }
+    originals = {}
+    for bt in BENCH_TRACES:
+        original = load_trace(TRACES_DIR / bt.file)
+        originals[bt.key] = original
+        trace = original.scaled(1.0, bt.length_scale, profile.max_context)
+        slo = bench_slo(trace, profile)
+        print(f"[bench tune] {bt.key}: SLO {slo.describe()}", file=sys.stderr)
+        evaluator = Evaluator(trace, profile, slo, FleetConfig(1, 1))
+        result = tune(evaluator, MAX_REPLICAS)
+        summary = tune_json(result, "SmolLM2-135M-Instruct")
+        report["traces"][bt.key] = {
+            "requests_per_s_simulated": result.requests_per_s_simulated,
+            "requests_simulated": result.requests_simulated,
+            "recommended_ratio": summary["recommended_ratio"],
+            "replicas": summary["replicas"],
+            "prefill_replicas": summary["prefill_replicas"],
+            "decode_replicas": summary["decode_replicas"],
+            "meets_slo": summary["meets_slo"],
+            "slo": slo.targets,
+            "predicted": summary["predicted"],
+            "length_scale": bt.length_scale,
+            "time_scale": 1.0,
+            "trace": trace.summary(),
+            "evaluations": summary["evaluations"],
+            "sim_vs_live_ttft_p50_error": None,
+            "sim_vs_live_itl_p50_error": None,
+        }
+    if live:
+        _live(report, originals, profile, live_requests)
+    report["machine"] = machine_info()
+    rows = []
+    for key, r in report["traces"].items():
+        rows.append((f"{key} requests/s simulated", r["requests_per_s_simulated"], RPS_TARGET,
+                     r["requests_per_s_simulated"] / RPS_TARGET))
+        rows.append((f"{key} recommended", r["recommended_ratio"], r["replicas"], None))
+        for k in ("ttft", "itl"):
+            err = r[f"sim_vs_live_{k}_p50_error"]
+            rows.append((f"{key} sim vs live {k} p50 err", err, ERROR_TARGET, None))
+    print_table("splitserve bench tune (ours vs target)", rows)
+    write_json(json_path, report)
+    return 0
+
+
+def _live(report: dict, originals: dict, profile: ReplicaProfile, count: int) -> None:
+    from services.tuner.validate import make_slice, run_validation
+    from shared.model.loader import default_model_path
+    from shared.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_gguf(default_model_path()).vocab_size
+    slices = [
+        make_slice(bt.key, originals[bt.key], profile, vocab, count, 0, bt.live_length_scale)
+        for bt in BENCH_TRACES
+    ]
+    print(f"[bench tune] live: {len(slices)} slices of {count} requests, one stack",
+          file=sys.stderr)
+    results = run_validation(slices, profile, vocab)
+    for key, result in results.items():
+        entry = report["traces"][key]
+        entry["sim_vs_live_ttft_p50_error"] = result["sim_vs_live_ttft_p50_error"]
+        entry["sim_vs_live_itl_p50_error"] = result["sim_vs_live_itl_p50_error"]
+        entry["live_check"] = result

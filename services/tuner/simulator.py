@@ -1,0 +1,161 @@
+"""Replaying a trace through a simulated fleet: P prefill and D decode replicas, a router,
+chunked prefill, KV transfer, continuous-batching decode, tiers.
+
+Arrivals drive the loop. Before each one is routed, every replica is brought up to its
+arrival time (lazily: a replica with nothing due returns at once), so the router sees the
+loads the coordinator would; the request's prefill and decode replicas are both chosen then,
+as the coordinator does. Prefill replicas hand finished prompts to decode replicas, never
+the other way, so bringing prefills up to a time before decodes keeps causality. After the
+last arrival everything is drained.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from services.profiler.costmodel import ReplicaProfile
+from services.tuner.decode_sim import DecodeReplica
+from services.tuner.fleet import FleetConfig, assign_priorities
+from services.tuner.prefill_sim import PrefillReplica
+from services.tuner.prefix_cache import PrefixCache
+from services.tuner.requests import RequestTable
+from services.tuner.results import SimResult
+from services.tuner.routing import PrefillRouter, choose_decode
+from services.tuner.trace import Trace
+
+ProgressFn = Callable[[int, int], None]
+PROGRESS_EVERY = 8192
+
+
+def _cache_blocks(fleet: FleetConfig, profile: ReplicaProfile, trace: Trace) -> int | None:
+    if fleet.unbounded_cache:
+        return None
+    tokens = profile.kv_capacity_tokens if fleet.cache_tokens is None else fleet.cache_tokens
+    return int(tokens // max(trace.block_tokens, 1e-9))
+
+
+def simulate(
+    trace: Trace,
+    profile: ReplicaProfile,
+    fleet: FleetConfig,
+    priorities: np.ndarray | None = None,
+    progress: ProgressFn | None = None,
+) -> SimResult:
+    started = time.perf_counter()
+    n = len(trace)
+    if priorities is None:
+        priorities = assign_priorities(n, None)
+    table = RequestTable(trace, priorities)
+    chunk = fleet.chunk_tokens or profile.chunk_tokens
+    decodes = [
+        DecodeReplica(i, profile.decode, fleet.decode_max_batch, table)
+        for i in range(fleet.decode_replicas)
+    ]
+    handoff = fleet.handoff_ms
+
+    def on_first_token(rid: int, at: float) -> None:
+        table.ttft[rid] = at
+        decode = decodes[table.decode_replica[rid]]
+        if table.output[rid] <= 1:  # the prefill replica's token was the whole reply
+            table.finish[rid] = at
+            decode.assigned -= 1
+        else:
+            decode.push_join(rid, at + handoff)
+
+    blocks = _cache_blocks(fleet, profile, trace)
+    prefills = [
+        PrefillReplica(
+            i,
+            profile.prefill,
+            chunk,
+            profile.transfer,
+            profile.kv_bytes_per_token,
+            table,
+            PrefixCache(blocks),
+            on_first_token,
+        )
+        for i in range(fleet.prefill_replicas)
+    ]
+    router = PrefillRouter(fleet.router)
+    hash_ids = trace.hash_ids
+    block_tokens = trace.block_tokens
+    use_cache = hash_ids is not None and (blocks is None or blocks > 0)
+    arrival, inputs = table.arrival, table.input
+    p_count = len(prefills)
+    zeros = [0] * p_count
+    for rid in range(n):
+        now = arrival[rid]
+        for p in prefills:
+            if p.clock <= now:
+                p.advance_to(now)
+        for d in decodes:
+            d.advance_to(now)
+        prompt = inputs[rid]
+        ids = hash_ids[rid] if use_cache else ()
+        if ids and router.uses_prefix:
+            matched = [p.cache.match(ids) for p in prefills]
+        else:
+            matched = zeros
+        new_tokens = [prompt - min(int(m * block_tokens), prompt - 1) for m in matched]
+        r = router.choose(prefills, now, new_tokens, matched)
+        chosen = prefills[r]
+        hit = matched[r] if router.uses_prefix else (chosen.cache.match(ids) if ids else 0)
+        if ids:
+            chosen.cache.insert(ids)
+        table.cached[rid] = min(int(hit * block_tokens), prompt - 1)
+        table.prefill_replica[rid] = r
+        d = choose_decode(decodes)
+        table.decode_replica[rid] = d
+        decodes[d].assigned += 1
+        chosen.add(rid, now)
+        if progress is not None and rid % PROGRESS_EVERY == PROGRESS_EVERY - 1:
+            progress(rid + 1, n)
+    for p in prefills:
+        p.advance_to(math.inf)
+    for d in decodes:
+        d.advance_to(math.inf)
+    if progress is not None:
+        progress(n, n)
+    return _result(trace, table, fleet, prefills, decodes, time.perf_counter() - started)
+
+
+def _result(
+    trace: Trace,
+    table: RequestTable,
+    fleet: FleetConfig,
+    prefills: list[PrefillReplica],
+    decodes: list[DecodeReplica],
+    wall_s: float,
+) -> SimResult:
+    arrival = trace.arrival_ms
+    itl_ms: list[float] = []
+    itl_weight: list[int] = []
+    itl_tier: list[int] = []
+    for d in decodes:
+        itl_ms += d.itl.ms
+        itl_weight += d.itl.weight
+        itl_tier += d.itl.tier
+    return SimResult(
+        fleet=fleet,
+        arrival_ms=arrival,
+        ttft_ms=np.asarray(table.ttft) - arrival,
+        e2e_ms=np.asarray(table.finish) - arrival,
+        input_tokens=trace.input_tokens,
+        cached_tokens=np.asarray(table.cached, dtype=np.int64),
+        output_tokens=trace.output_tokens,
+        priority=np.asarray(table.priority, dtype=np.int64),
+        prefill_replica=np.asarray(table.prefill_replica, dtype=np.int64),
+        decode_replica=np.asarray(table.decode_replica, dtype=np.int64),
+        itl_ms=np.asarray(itl_ms, dtype=np.float64),
+        itl_weight=np.asarray(itl_weight, dtype=np.int64),
+        itl_priority=np.asarray(itl_tier, dtype=np.int64),
+        prefill_busy_ms=[p.busy_ms for p in prefills],
+        decode_busy_ms=[d.busy_ms for d in decodes],
+        decode_tokens=[d.tokens for d in decodes],
+        decode_steps=[d.step_no for d in decodes],
+        wall_s=wall_s,
+    )

@@ -1,0 +1,217 @@
+"""Holding the simulator against reality: replay a short slice of a trace on a live local
+stack (one prefill and one decode replica, one thread each, as `splitserve up` runs them)
+and in the simulator with the same profile, and compare TTFT p50 and ITL p50.
+
+The slice keeps the trace's order, arrival pattern and length mix, cut down to what this
+hardware serves in about a minute: lengths scaled and capped (prompts <= `max_prompt`,
+replies <= `max_output` tokens) and arrivals stretched so the prefill replica runs at about
+`utilization` of its capacity by the profile. Prompts are token ids sent to
+/v1/completions, so their lengths are exact, and two prompts share tokens exactly where their
+trace block ids agree, so the live prefix cache sees what the simulated one sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from services.bench.load import RequestTiming, percentile, summarize
+from services.profiler.costmodel import ReplicaProfile
+from services.tuner.fleet import FleetConfig
+from services.tuner.simulator import simulate
+from services.tuner.trace import Trace
+
+
+@dataclass(frozen=True)
+class LiveSlice:
+    name: str
+    trace: Trace  # the scaled slice, as the simulator replays it
+    prompts: list[list[int]]  # token ids, lengths equal trace.input_tokens
+
+
+def make_slice(
+    name: str,
+    trace: Trace,
+    profile: ReplicaProfile,
+    vocab_size: int,
+    count: int = 30,
+    start: int = 0,
+    length_scale: float = 1.0,
+    max_prompt: int = 1500,
+    max_output: int = 64,
+    utilization: float = 0.6,
+    seed: int = 0,
+) -> LiveSlice:
+    window = trace.window(start, count).scaled(1.0, length_scale)
+    inputs = np.clip(window.input_tokens, 16, max_prompt)
+    outputs = np.clip(window.output_tokens, 2, max_output)
+    busy = sum(profile.prefill_ms(int(n)) for n in inputs)
+    span = float(window.arrival_ms[-1]) if len(window) > 1 else 0.0
+    wanted = busy / utilization
+    arrivals = (
+        window.arrival_ms * (wanted / span)
+        if span > 0
+        else np.linspace(0.0, wanted, len(window), endpoint=False)
+    )
+    sliced = Trace(
+        name=f"{trace.name}[{start}:{start + count}]",
+        format=trace.format,
+        arrival_ms=arrivals,
+        input_tokens=inputs.astype(np.int64),
+        output_tokens=outputs.astype(np.int64),
+        hash_ids=window.hash_ids,
+        block_tokens=window.block_tokens,
+    )
+    return LiveSlice(name, sliced, _prompts(sliced, vocab_size, seed))
+
+
+def _prompts(trace: Trace, vocab_size: int, seed: int) -> list[list[int]]:
+    """Token ids per request; the tokens of a trace block are a function of its id."""
+    block = max(1, int(round(trace.block_tokens)))
+    blocks: dict[int, list[int]] = {}
+    rng = random.Random(seed)
+    out = []
+    for i, length in enumerate(trace.input_tokens.tolist()):
+        ids = trace.hash_ids[i] if trace.hash_ids is not None else ()
+        tokens: list[int] = []
+        for h in ids:
+            if h not in blocks:
+                block_rng = random.Random(f"{seed}-{h}")
+                blocks[h] = [block_rng.randrange(100, vocab_size - 100) for _ in range(block)]
+            tokens += blocks[h]
+            if len(tokens) >= length:
+                break
+        while len(tokens) < length:  # no block ids (Azure), or fewer than the length needs
+            tokens.append(rng.randrange(100, vocab_size - 100))
+        out.append(tokens[:length])
+    return out
+
+
+async def _stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict, timeout_s: float = 600.0
+) -> RequestTiming:
+    """Like services.bench.load.stream_chat, for /v1/completions' `text` deltas."""
+    import json
+
+    timing = RequestTiming("replay")
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                timing.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return timing
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    timing.error = data["error"].get("message", "error")
+                    break
+                for choice in data.get("choices", []):
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if last is None:
+                            timing.ttft_ms = (now - start) * 1e3
+                        else:
+                            timing.itl_ms.append((now - last) * 1e3)
+                        last = now
+                        timing.tokens += 1
+    except (TimeoutError, httpx.HTTPError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    timing.e2e_ms = (time.perf_counter() - start) * 1e3
+    return timing
+
+
+async def replay(base_url: str, model: str, sl: LiveSlice) -> list[RequestTiming]:
+    url = f"{base_url}/completions"
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    trace = sl.trace
+
+    def body(i: int) -> dict:
+        return {
+            "model": model,
+            "prompt": sl.prompts[i],
+            "max_tokens": int(trace.output_tokens[i]),
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(i: int) -> RequestTiming:
+            delay = trace.arrival_ms[i] / 1e3 - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await _stream_completion(client, url, body(i))
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(trace)))))
+
+
+async def warm_up(base_url: str, model: str, vocab_size: int) -> None:
+    """First calls pay for allocations and connections, which no steady replica does."""
+    rng = random.Random(12345)
+    async with httpx.AsyncClient() as client:
+        for length in (64, 256):
+            prompt = [rng.randrange(100, vocab_size - 100) for _ in range(length)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+            await _stream_completion(client, f"{base_url}/completions", {**body, "stream": True})
+
+
+def compare(sl: LiveSlice, timings: list[RequestTiming], profile: ReplicaProfile) -> dict:
+    live = summarize(timings)
+    sim = simulate(sl.trace, profile, FleetConfig(1, 1)).latency()
+    errors = {}
+    for key in ("ttft_p50_ms", "itl_p50_ms"):
+        if live[key] and sim[key] is not None:
+            errors[key] = abs(sim[key] - live[key]) / live[key]
+    ttft_live = [t.ttft_ms for t in timings if t.ttft_ms is not None]
+    return {
+        "slice": sl.trace.summary(),
+        "live": live,
+        "live_ttft_p90_ms": percentile(ttft_live, 0.9),
+        "sim": sim,
+        "sim_vs_live_ttft_p50_error": errors.get("ttft_p50_ms"),
+        "sim_vs_live_itl_p50_error": errors.get("itl_p50_ms"),
+    }
+
+
+def stack_config(weights: str = "auto") -> dict:
+    from shared.model.loader import DEFAULT_MODEL_ID
+
+    return {
+        "coordinator": {"port": 0, "registry_port": 0, "max_tokens_limit": 4096},
+        "transfer": {"backend": "shm"},
+        "models": [
+            {
+                "id": DEFAULT_MODEL_ID,
+                "weights": weights,
+                "pools": {"prefill": 1, "decode": 1},
+                "worker": {"threads": 1},
+            }
+        ],
+    }
+
+
+def run_validation(
+    slices: list[LiveSlice], profile: ReplicaProfile, vocab_size: int, weights: str = "auto"
+) -> dict[str, dict]:
+    """Start one local stack, replay each slice on it in turn, compare each with the sim."""
+    from services.launcher import start_local_stack
+    from shared.config.schema import parse_config
+    from shared.model.loader import DEFAULT_MODEL_ID
+
+    results = {}
+    with start_local_stack(parse_config(stack_config(weights)), startup_timeout_s=600) as stack:
+        asyncio.run(warm_up(stack.base_url, DEFAULT_MODEL_ID, vocab_size))
+        for sl in slices:
+            timings = asyncio.run(replay(stack.base_url, DEFAULT_MODEL_ID, sl))
+            results[sl.name] = compare(sl, timings, profile)
+    return results

@@ -1,0 +1,2 @@
+"""Traces and metrics: OpenTelemetry spans across coordinator, prefill, transfer and decode,
+Prometheus metrics on every service, and the tools that read them back."""

@@ -1,0 +1,118 @@
+"""A process's tracer, built once from the deployment's `telemetry:` section.
+
+Each service makes its own `Tracing` and hands it to what creates spans (no global tracer
+provider: several services can share one process in tests). `Tracing.disabled()` is the
+no-op default, costing nothing per request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.sampling import AlwaysRecordSampler, ParentBasedTraceIdRatio
+from prometheus_client import CollectorRegistry
+
+from shared.config.schema import TelemetryConfig
+from shared.telemetry.file_export import JsonLinesSpanExporter
+from shared.telemetry.processor import BoundedSpanProcessor, SpanExportCollector
+
+DEFAULT_OTLP_GRPC_ENDPOINT = "localhost:4317"
+DEFAULT_OTLP_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
+INSTRUMENTATION_NAME = "splitserve"
+
+
+@dataclass
+class Tracing:
+    tracer: trace.Tracer
+    capture_content: bool = False
+    provider: TracerProvider | None = None
+    processor: BoundedSpanProcessor | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    @classmethod
+    def disabled(cls) -> Tracing:
+        return cls(trace.NoOpTracer())
+
+    @classmethod
+    def from_config(
+        cls, config: TelemetryConfig, service: str, instance: str | None = None
+    ) -> Tracing:
+        if config.exporter == "none":
+            return cls.disabled()
+        return cls.with_exporter(
+            create_exporter(config),
+            service,
+            instance,
+            sampling_ratio=config.sampling_ratio,
+            capture_content=config.capture_content,
+            max_queue_size=config.export_queue_size,
+        )
+
+    @classmethod
+    def with_exporter(
+        cls,
+        exporter: SpanExporter,
+        service: str,
+        instance: str | None = None,
+        *,
+        sampling_ratio: float = 1.0,
+        capture_content: bool = False,
+        max_queue_size: int = 2048,
+    ) -> Tracing:
+        attributes = {"service.name": service, "process.pid": os.getpid()}
+        if instance:
+            attributes["service.instance.id"] = instance
+        # Unsampled spans are still recorded (not exported) so that one ending in error can
+        # be kept by the processor; sampled parents decide for their remote children.
+        sampler = AlwaysRecordSampler(ParentBasedTraceIdRatio(sampling_ratio))
+        provider = TracerProvider(
+            sampler=sampler, resource=Resource(attributes), shutdown_on_exit=False
+        )
+        processor = BoundedSpanProcessor(exporter, max_queue_size=max_queue_size)
+        provider.add_span_processor(processor)
+        return cls(provider.get_tracer(INSTRUMENTATION_NAME), capture_content, provider, processor)
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Expose the span export counters (drops included) on `registry`."""
+        if self.processor is not None:
+            registry.register(SpanExportCollector(self.processor))
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        if self.processor is None:
+            return True
+        return self.processor.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        if self.processor is not None:
+            self.processor.shutdown(timeout_s)
+
+
+def create_exporter(config: TelemetryConfig) -> SpanExporter:
+    if config.exporter == "file":
+        return JsonLinesSpanExporter(config.file)
+    if config.exporter == "otlp_grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        endpoint = config.endpoint or DEFAULT_OTLP_GRPC_ENDPOINT
+        return OTLPSpanExporter(
+            endpoint=endpoint,
+            insecure=not endpoint.startswith("https://"),
+            timeout=config.export_timeout_s,
+        )
+    if config.exporter == "otlp_http":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as OTLPHttpSpanExporter,
+        )
+
+        return OTLPHttpSpanExporter(
+            endpoint=config.endpoint or DEFAULT_OTLP_HTTP_ENDPOINT, timeout=config.export_timeout_s
+        )
+    raise ValueError(f"unknown trace exporter {config.exporter!r}")  # the schema refused it

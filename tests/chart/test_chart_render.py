@@ -1,0 +1,86 @@
+"""The chart lints, renders objects the Kubernetes API accepts, and refuses bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.chart.conftest import CHART, VALUE_SETS, VALUES, helm_template, render
+
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
+KUBE_VERSIONS = ("1.30.0", "1.37.0")
+# Custom resources have no schema in kubernetes-validate; their shape is tested elsewhere.
+CUSTOM_KINDS = {"ServiceMonitor"}
+
+
+def test_helm_lint_passes_for_every_values_set(helm):
+    for value_set in VALUE_SETS:
+        args = [] if value_set == "default" else ["-f", str(VALUES / f"{value_set}.yaml")]
+        done = subprocess.run(
+            [helm, "lint", "--strict", str(CHART), *args], capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{value_set}:\n{done.stdout}{done.stderr}"
+        assert "0 chart(s) failed" in done.stdout
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rendered_objects_pass_strict_kubernetes_validation(value_set):
+    rendered = render(value_set)
+    kubernetes_validate = Path(sys.executable).with_name("kubernetes-validate")
+    for version in KUBE_VERSIONS:
+        done = subprocess.run(
+            [str(kubernetes_validate), "--strict", "-k", version, "-"],
+            input=rendered.text,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        report = done.stdout + done.stderr
+        assert done.returncode == 0, f"{value_set} on {version}:\n{report}"
+        passed = report.count("passed for resource")
+        checked = [d for d in rendered.docs if d["kind"] not in CUSTOM_KINDS]
+        assert passed == len(checked), f"{value_set} on {version}:\n{report}"
+
+
+def test_every_values_set_renders_the_expected_objects():
+    kinds = {s: {d["kind"] for d in render(s).docs} for s in VALUE_SETS}
+    base = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Pod"}
+    assert base <= kinds["default"] and "Secret" in kinds["default"]
+    assert "Secret" not in kinds["existing-secret"] and "Secret" not in kinds["everything"]
+    assert {"Role", "RoleBinding"} <= kinds["planner"] and "Role" not in kinds["default"]
+    assert {
+        "Ingress", "HorizontalPodAutoscaler", "NetworkPolicy", "ServiceMonitor"
+    } <= kinds["everything"]  # fmt: skip
+
+
+# Each invalid values file and what the error must name.
+INVALID = {
+    "ratio-not-a-b": "/pools/SmolLM2-135M-Instruct/ratio",
+    "ratio-zero": "/pools/SmolLM2-135M-Instruct/ratio",
+    "total-zero": "/pools/SmolLM2-135M-Instruct/total",
+    "replicas-negative": "/pools/m/prefill",
+    "coordinator-replicas-zero": "/coordinator/replicas",
+    "backend-unknown": "/config/transfer/backend",
+    "gpus-fractional": "/workers/gpus': got number, want integer",
+    "gpus-override-text": "/pools/SmolLM2-135M-Instruct/overrides/decode/gpus",
+    "ratio-and-explicit": "/pools/SmolLM2-135M-Instruct/prefill",
+    "pool-for-unknown-model": "pools.SmolLM2-135M-Instruct-typo: no model with that id",
+    "default-pool-incomplete": "/defaultPool': properties 'ratio' required",
+    "schema-key-typo": "'kv_cache_byte' not allowed",
+    "planner-min-zero": "/planner/min/prefill",
+    "block-size": "/config/block_size",
+}
+
+
+def test_every_invalid_values_file_is_covered():
+    assert {p.stem for p in (VALUES / "invalid").glob("*.yaml")} == set(INVALID)
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_values_fail_naming_the_field(name):
+    done = helm_template("-f", str(VALUES / "invalid" / f"{name}.yaml"))
+    assert done.returncode != 0, f"{name} rendered:\n{done.stdout[:500]}"
+    assert INVALID[name] in done.stderr, done.stderr

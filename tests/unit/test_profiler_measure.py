@@ -1,0 +1,36 @@
+"""The profiler's measurements on a tiny real engine: the planted prefix is really reused,
+and the measured points feed the fits."""
+
+from __future__ import annotations
+
+from services.profiler.fit import fit_decode, fit_prefill
+from services.profiler.measure import measure_decode, measure_prefill
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+
+
+def _engine(model) -> Engine:
+    return Engine(
+        EngineConfig(num_blocks=512, max_num_batched_tokens=64, max_num_seqs=64), model=model
+    )
+
+
+def test_prefill_points_cover_the_grid_and_reuse_the_planted_prefix(tiny_model):
+    engine = _engine(tiny_model)
+    notes: list[str] = []
+    # measure_prefill raises if the engine reused anything but the planted prefix.
+    points = measure_prefill(engine, (64, 128), (0.0, 0.5), repeats=1, progress=notes.append)
+    assert [(p.tokens, p.cached) for p in points] == [(64, 0), (64, 32), (128, 0), (128, 64)]
+    assert all(p.ms > 0 for p in points) and len(notes) == 4
+    model, _ = fit_prefill(points, 64)
+    assert model.token_ms >= 0 and model.step_ms >= 0
+
+
+def test_decode_points_run_whole_batches_without_prefilling_them(tiny_model):
+    engine = _engine(tiny_model)
+    points = measure_decode(engine, (1, 4), (32, 64), steps=2, progress=lambda _: None)
+    assert [(p.batch, p.context) for p in points] == [(1, 35), (4, 35), (1, 67), (4, 67)]
+    assert all(p.ms > 0 for p in points)
+    assert not engine.has_work  # every measured sequence was aborted and its blocks freed
+    assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+    fit_decode(points)

@@ -1,0 +1,222 @@
+"""What the engine thread records (step metrics, per-request timelines) and the worker spans
+built from it: queueing, one span per prefill chunk, the transfer, decode admission."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.proto_gen import worker_pb2 as pb
+from shared.sampling.params import SamplingParams
+from shared.telemetry.engine_metrics import EngineMetrics
+from shared.telemetry.engine_steps import StepRecorder
+from shared.telemetry.propagation import grpc_metadata
+from shared.telemetry.tracing import Tracing
+from shared.telemetry.worker_spans import WorkerTracing
+
+PROMPT = list(range(3, 43))  # 40 tokens: chunks of 16, 16, 8
+
+
+@pytest.fixture
+def engine(tiny_model):
+    config = EngineConfig(num_blocks=32, max_model_len=256, max_num_batched_tokens=16)
+    return Engine(config, model=tiny_model)
+
+
+@pytest.fixture
+def setup(engine):
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, engine, "tiny", "prefill")
+    recorder = StepRecorder(metrics)
+    engine.step_observers.append(recorder)
+    exporter = InMemorySpanExporter()
+    tracing = Tracing.with_exporter(exporter, "splitserve-prefill", "w0")
+    spans = WorkerTracing(tracing, recorder, replica="w0", role="prefill", model="tiny")
+    yield engine, registry, recorder, spans, tracing, exporter
+    tracing.shutdown()
+
+
+def _families(registry) -> dict:
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(families, name, **labels) -> float:
+    return sum(
+        s.value
+        for s in families[name].samples
+        if s.name in (name, name + "_total") and labels.items() <= s.labels.items()
+    )
+
+
+def _run(engine, request_id, max_tokens=4, priority=1):
+    engine.add_request(
+        PROMPT,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        request_id=request_id,
+        priority=priority,
+    )
+    while engine.has_work:
+        engine.step()
+
+
+def test_timeline_records_chunks_and_counts_decode_steps(engine):
+    recorder = StepRecorder()
+    engine.step_observers.append(recorder)
+    timeline = recorder.watch("a")
+    _run(engine, "a", max_tokens=5)
+    _run(engine, "unwatched")
+    assert [c.num_tokens for c in timeline.chunks] == [16, 16, 8]
+    assert timeline.num_chunks == 3
+    assert timeline.decode_steps == 4  # the first token comes with the last chunk
+    assert timeline.mean_decode_batch == 1.0
+    starts = [c.start_ns for c in timeline.chunks]
+    assert starts == sorted(starts) and timeline.first_step_ns == starts[0]
+    assert all(c.end_ns >= c.start_ns for c in timeline.chunks)
+    assert timeline.watched_ns <= timeline.first_step_ns
+    assert timeline.first_decode_ns >= timeline.chunks[-1].end_ns
+    recorder.unwatch("a")
+    recorder.unwatch("never-watched")  # harmless
+
+
+def test_a_failing_observer_does_not_fail_the_step(engine):
+    def broken(plan, start, end):
+        raise RuntimeError("metrics bug")
+
+    engine.step_observers.append(StepRecorder(broken))
+    _run(engine, "a")  # completes
+    assert not engine.has_work
+
+
+def test_step_metrics(setup):
+    engine, registry, *_ = setup
+    _run(engine, "a", priority=2)
+    _run(engine, "b", priority=0)  # same prompt: its full blocks come from the prefix cache
+    f = _families(registry)
+    computed = _value(f, "splitserve_prefill_tokens", source="computed")
+    cached = _value(f, "splitserve_prefill_tokens", source="cached")
+    assert cached == 32  # two full 16-token blocks
+    assert computed == 40 + 8
+    queue = f["splitserve_request_queue_time_seconds"]
+    counts = {s.labels["tier"]: s.value for s in queue.samples if s.name.endswith("_count")}
+    assert counts == {"flex": 1.0, "priority": 1.0}
+    steps = [s for s in f["splitserve_iteration_batch_size"].samples if s.name.endswith("_count")]
+    assert steps[0].value == 3 + 3 + 1 + 3  # chunks + decodes, then 1 chunk + decodes
+    assert _value(f, "splitserve_prefix_cache_queries") > 0
+    assert _value(f, "splitserve_prefix_cache_hits", tier="device") == 2
+    assert _value(f, "splitserve_kv_cache_blocks_total") == 32
+    assert _value(f, "splitserve_num_requests_running") == 0
+    assert "splitserve_spec_decode_acceptance_length" in f  # registered, fed later
+
+
+def _spans(exporter, tracing) -> dict[str, list]:
+    tracing.force_flush()
+    out: dict[str, list] = {}
+    for s in exporter.get_finished_spans():
+        out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_prefill_spans_from_the_engine_timeline(setup):
+    engine, _, _, spans, tracing, exporter = setup
+    parent = tracing.tracer.start_span("coordinator client span")
+    spec = pb.GenerateSpec(request_id="r1", prompt_token_ids=PROMPT, priority=2)
+    with spans.prefill(pb.PrefillRequest(spec=spec), grpc_metadata(parent)) as call:
+        _run(engine, "r1", max_tokens=1, priority=2)
+        transfer = pb.TransferOutcome(
+            status="done", nbytes=4096, seconds=0.002, backend="shm", num_blocks=3
+        )
+        call.record(pb.PrefillResponse(num_prompt_tokens=40, transfer=transfer))
+    parent.end()
+    got = _spans(exporter, tracing)
+    (server,) = got["splitserve.prefill"]
+    assert server.parent.span_id == parent.get_span_context().span_id
+    assert server.kind == otel_trace.SpanKind.SERVER
+    assert server.attributes["splitserve.tier"] == "flex"
+    assert server.attributes["splitserve.transfer.bytes"] == 4096
+    assert server.attributes["gen_ai.usage.input_tokens"] == 40
+    children = [s for name, group in got.items() for s in group if name.startswith("splitserve.")]
+    children = [s for s in children if s.parent and s.parent.span_id == server.context.span_id]
+    names = sorted(s.name for s in children)
+    assert names == [
+        "splitserve.engine.queue",
+        "splitserve.kv_transfer",
+        "splitserve.prefill.chunk",
+        "splitserve.prefill.chunk",
+        "splitserve.prefill.chunk",
+    ]
+    chunks = sorted(got["splitserve.prefill.chunk"], key=lambda s: s.start_time)
+    assert [c.attributes["splitserve.prefill.chunk_tokens"] for c in chunks] == [16, 16, 8]
+    assert all(server.start_time <= c.start_time <= c.end_time <= server.end_time for c in chunks)
+    (transfer_span,) = got["splitserve.kv_transfer"]
+    assert transfer_span.attributes["splitserve.transfer.backend"] == "shm"
+    assert transfer_span.end_time - transfer_span.start_time == pytest.approx(2e6, abs=1e3)
+
+
+def test_failed_transfer_is_an_error_span(setup):
+    _, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="r2", prompt_token_ids=PROMPT)
+    with spans.prefill(pb.PrefillRequest(spec=spec), ()) as call:
+        failed = pb.TransferOutcome(status="failed", error="no room", backend="tcp", seconds=0.1)
+        call.record(pb.PrefillResponse(num_prompt_tokens=40, transfer=failed))
+    (span,) = _spans(exporter, tracing)["splitserve.kv_transfer"]
+    assert span.status.status_code == otel_trace.StatusCode.ERROR
+    assert "no room" in span.status.description
+
+
+def test_decode_spans_local_prefill_and_outcomes(setup):
+    engine, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="d1", prompt_token_ids=PROMPT)
+    with spans.decode(pb.DecodeRequest(spec=spec), ()) as call:
+        _run(engine, "d1", max_tokens=3)
+        call.observe(pb.DecodeChunk(token_ids=[5], local_prefill=True))
+        call.observe(pb.DecodeChunk(token_ids=[6, 7], finished=True, num_output_tokens=3))
+    got = _spans(exporter, tracing)
+    (server,) = got["splitserve.decode"]
+    assert [e.name for e in server.events] == ["splitserve.first_token", "splitserve.stream_end"]
+    assert server.attributes["gen_ai.usage.output_tokens"] == 3
+    assert server.attributes["splitserve.decode.steps"] == 2
+    assert len(got["splitserve.prefill.chunk"]) == 3
+    (steps,) = got["splitserve.decode.steps"]
+    assert steps.attributes["splitserve.decode.steps"] == 2
+
+
+def test_decode_admission_when_kv_arrived(setup):
+    engine, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="d2", prompt_token_ids=PROMPT)
+    _run(engine, "warm", max_tokens=1)  # not watched
+    with spans.decode(pb.DecodeRequest(spec=spec, kv_transferred=True), ()) as call:
+        table = engine.reserve_blocks(len(PROMPT))
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        engine.add_prefilled("d2", PROMPT, 9, table, params)
+        while engine.has_work:
+            engine.step()
+        call.observe(pb.DecodeChunk(token_ids=[1, 2], finished=True, num_output_tokens=3))
+    got = _spans(exporter, tracing)
+    assert "splitserve.prefill.chunk" not in got
+    (admission,) = got["splitserve.decode.admission"]
+    (server,) = got["splitserve.decode"]
+    assert admission.parent.span_id == server.context.span_id
+    assert server.attributes["splitserve.kv_transferred"] is True
+
+
+def test_errors_and_cancellation(setup):
+    _, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="e1", prompt_token_ids=PROMPT)
+    with pytest.raises(ValueError), spans.prefill(pb.PrefillRequest(spec=spec), ()):
+        raise ValueError("bad prompt")
+    with pytest.raises(asyncio.CancelledError), spans.decode(pb.DecodeRequest(spec=spec), ()):
+        raise asyncio.CancelledError()
+    got = _spans(exporter, tracing)
+    (failed,) = got["splitserve.prefill"]
+    assert failed.status.status_code == otel_trace.StatusCode.ERROR
+    (cancelled,) = got["splitserve.decode"]
+    assert cancelled.status.status_code == otel_trace.StatusCode.UNSET
+    assert cancelled.attributes["splitserve.cancelled"] is True
