@@ -18,6 +18,8 @@ from kernels.attention_metadata import AttentionMetadata
 
 # Sequences with at most this many new tokens share the padded batch.
 BATCHED_MAX_QUERY = 16
+# A sequence joins a context bucket if its context is at most 2x the bucket's shortest + this.
+BUCKET_SLACK = 64
 
 
 @dataclass
@@ -28,6 +30,7 @@ class _BatchedGroup:
     mask: torch.Tensor  # [B, 1, q_max, 1, ctx_max] bool: query may see key
     ctx_max: int
     all_keys_visible: bool  # decode rows of equal context: no masking needed at all
+    in_order: bool  # one token per row, rows are flat tokens 0..B-1
 
 
 @dataclass
@@ -55,37 +58,13 @@ class TorchPagedAttention(AttentionBackend):
             starts.append(starts[-1] + q)
         batched = [i for i, q in enumerate(meta.query_lens) if q <= BATCHED_MAX_QUERY]
         singles = [i for i, q in enumerate(meta.query_lens) if q > BATCHED_MAX_QUERY]
-        # Every sequence brings exactly one token (pure decode): the flat tokens are the batch
-        # rows in order, so the gather/scatter of queries can be skipped.
-        decode_only = all(q == 1 for q in meta.query_lens)
-        state: dict = {"batched": None, "singles": [], "decode_only": decode_only}
+        # Every sequence brings exactly one token and all share one bucket: the flat tokens
+        # are the batch rows in order, so the gather/scatter of queries can be skipped.
+        buckets = _context_buckets(batched, meta.context_lens)
+        groups = [_batched_group(b, meta, starts) for b in buckets]
+        decode_only = len(groups) == 1 and not singles and groups[0].in_order
+        state: dict = {"groups": groups, "singles": [], "decode_only": decode_only}
         dev = meta.device
-        if batched:
-            q_max = max(meta.query_lens[i] for i in batched)
-            ctx_max = max(meta.context_lens[i] for i in batched)
-            blocks_max = (ctx_max + meta.block_size - 1) // meta.block_size
-            token_index = torch.zeros((len(batched), q_max), dtype=torch.long)
-            valid = torch.zeros((len(batched), q_max), dtype=torch.bool)
-            table = torch.zeros((len(batched), blocks_max), dtype=torch.long)
-            mask = torch.zeros((len(batched), q_max, ctx_max), dtype=torch.bool)
-            for row, i in enumerate(batched):
-                q_len, ctx = meta.query_lens[i], meta.context_lens[i]
-                token_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
-                valid[row, :q_len] = True
-                used = meta.block_tables[i][: (ctx + meta.block_size - 1) // meta.block_size]
-                table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-                mask[row, :q_len, :ctx] = _causal_mask(q_len, ctx, torch.device("cpu"))
-                # Padding query rows see key 0 so softmax stays finite; their output is dropped.
-                mask[row, q_len:, 0] = True
-            state["batched"] = _BatchedGroup(
-                token_index=token_index.to(dev),
-                valid=valid.to(dev),
-                block_table=table.to(dev),
-                mask=mask[:, None, :, None, :].to(dev),
-                ctx_max=ctx_max,
-                all_keys_visible=q_max == 1
-                and all(meta.context_lens[i] == ctx_max for i in batched),
-            )
         for i in singles:
             q_len, ctx = meta.query_lens[i], meta.context_lens[i]
             n_blocks = (ctx + meta.block_size - 1) // meta.block_size
@@ -107,24 +86,26 @@ class TorchPagedAttention(AttentionBackend):
         state = meta.backend_state["torch"]
         num_heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = key_cache.shape[2]
-        group = num_heads // kv_heads
+        group = group_size = num_heads // kv_heads
         out = torch.empty_like(q)
-        batched: _BatchedGroup | None = state["batched"]
         if state["decode_only"]:
-            return self._decode_only(q, key_cache, value_cache, batched, scale, kv_heads, group)
-        if batched is not None:
+            (group,) = state["groups"]
+            return self._decode_only(q, key_cache, value_cache, group, scale, kv_heads, group_size)
+        for batched in state["groups"]:
             bsz, q_max = batched.token_index.shape
             keys = _gather(key_cache, batched.block_table, batched.ctx_max)  # [B, Hkv, L, D]
             values = _gather(value_cache, batched.block_table, batched.ctx_max)
-            queries = q[batched.token_index].view(bsz, q_max, kv_heads, group, head_dim)
-            queries = queries.permute(0, 2, 1, 3, 4).reshape(bsz, kv_heads, q_max * group, head_dim)
-            mask = batched.mask.expand(bsz, 1, q_max, group, batched.ctx_max).reshape(
-                bsz, 1, q_max * group, batched.ctx_max
+            queries = q[batched.token_index].view(bsz, q_max, kv_heads, group_size, head_dim)
+            queries = queries.permute(0, 2, 1, 3, 4).reshape(
+                bsz, kv_heads, q_max * group_size, head_dim
+            )
+            mask = batched.mask.expand(bsz, 1, q_max, group_size, batched.ctx_max).reshape(
+                bsz, 1, q_max * group_size, batched.ctx_max
             )
             attn = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, scale=scale
             )
-            attn = attn.view(bsz, kv_heads, q_max, group, head_dim).permute(0, 2, 1, 3, 4)
+            attn = attn.view(bsz, kv_heads, q_max, group_size, head_dim).permute(0, 2, 1, 3, 4)
             attn = attn.reshape(bsz, q_max, num_heads, head_dim)
             out[batched.token_index[batched.valid]] = attn[batched.valid]
         for seq in state["singles"]:
@@ -153,6 +134,47 @@ class TorchPagedAttention(AttentionBackend):
         mask = None if batched.all_keys_visible else batched.mask[:, :, 0]  # [B, 1, 1, L]
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
         return attn.reshape(bsz, num_heads, head_dim)
+
+
+def _context_buckets(rows: list[int], context_lens: list[int]) -> list[list[int]]:
+    """Group sequences of similar context length: a padded batch costs B x the longest
+    context, so one 2,000-token conversation must not make 30 short ones pay for 2,000 keys."""
+    buckets: list[list[int]] = []
+    for i in sorted(rows, key=lambda r: context_lens[r]):
+        if buckets and context_lens[i] <= 2 * context_lens[buckets[-1][0]] + BUCKET_SLACK:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def _batched_group(rows: list[int], meta: AttentionMetadata, starts: list[int]) -> _BatchedGroup:
+    q_max = max(meta.query_lens[i] for i in rows)
+    ctx_max = max(meta.context_lens[i] for i in rows)
+    blocks_max = (ctx_max + meta.block_size - 1) // meta.block_size
+    token_index = torch.zeros((len(rows), q_max), dtype=torch.long)
+    valid = torch.zeros((len(rows), q_max), dtype=torch.bool)
+    table = torch.zeros((len(rows), blocks_max), dtype=torch.long)
+    mask = torch.zeros((len(rows), q_max, ctx_max), dtype=torch.bool)
+    for row, i in enumerate(rows):
+        q_len, ctx = meta.query_lens[i], meta.context_lens[i]
+        token_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
+        valid[row, :q_len] = True
+        used = meta.block_tables[i][: (ctx + meta.block_size - 1) // meta.block_size]
+        table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        mask[row, :q_len, :ctx] = _causal_mask(q_len, ctx, torch.device("cpu"))
+        # Padding query rows see key 0 so softmax stays finite; their output is dropped.
+        mask[row, q_len:, 0] = True
+    dev = meta.device
+    return _BatchedGroup(
+        token_index=token_index.to(dev),
+        valid=valid.to(dev),
+        block_table=table.to(dev),
+        mask=mask[:, None, :, None, :].to(dev),
+        ctx_max=ctx_max,
+        all_keys_visible=q_max == 1 and all(meta.context_lens[i] == ctx_max for i in rows),
+        in_order=[starts[i] for i in rows] == list(range(len(rows))) and q_max == 1,
+    )
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

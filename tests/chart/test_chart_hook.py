@@ -4,6 +4,7 @@ real SmolLM2 through an in-process engine, with API keys on."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -60,7 +61,9 @@ def test_the_hook_gets_a_real_chat_completion(coordinator, tmp_path):
     keys.write_text(f"# rotated monthly\n{KEY}\nsk-next-key\n")
     done = run_hook(coordinator, keys)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok: SmolLM2-135M-Instruct answered '")
+    assert done.stdout.startswith("ok: SmolLM2-135M-Instruct answered ")
+    tokens = int(re.search(r"\((\d+) tokens\)$", done.stdout.rstrip())[1])
+    assert 1 <= tokens <= 8  # tests.maxTokens
 
 
 def test_the_hook_fails_on_a_wrong_key(coordinator, tmp_path):

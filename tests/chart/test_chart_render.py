@@ -84,3 +84,16 @@ def test_invalid_values_fail_naming_the_field(name):
     done = helm_template("-f", str(VALUES / "invalid" / f"{name}.yaml"))
     assert done.returncode != 0, f"{name} rendered:\n{done.stdout[:500]}"
     assert INVALID[name] in done.stderr, done.stderr
+
+
+def test_install_notes_tell_the_pool_sizes_and_how_to_get_the_key(helm):
+    done = subprocess.run(
+        [helm, "install", "rel", str(CHART), "--namespace", "serving", "--dry-run=client",
+         "-f", str(VALUES / "existing-secret.yaml")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "SmolLM2-135M-Instruct: 1 prefill + 3 decode" in notes  # defaultPool: 4 at 1:3
+    assert "get secret llm-gateway-keys -o jsonpath='{.data.keys\\.txt}'" in notes
+    assert "helm test rel -n serving" in notes

@@ -89,7 +89,12 @@ def complete_trace(receiver: OtlpReceiver, trace_id: str) -> list[SpanRecord]:
         root = any(s.service == "splitserve-coordinator" and s.kind == "SERVER" for s in mine)
         return root and WORKER_SPANS <= {(s.service, s.name, s.kind) for s in mine}
 
-    return [s for s in receiver.wait_for(done, timeout_s=15) if s.trace_id == trace_id]
+    try:
+        spans = receiver.wait_for(done, timeout_s=30)
+    except TimeoutError:
+        got = sorted((s.service, s.name, s.kind) for s in receiver.spans if s.trace_id == trace_id)
+        pytest.fail(f"trace {trace_id} incomplete after 30 s; it has {got}")
+    return [s for s in spans if s.trace_id == trace_id]
 
 
 def one(spans: list[SpanRecord], service: str, name: str, kind: str | None = None) -> SpanRecord:
