@@ -36,7 +36,11 @@ def _config(mode: str, weights: str) -> dict:
                 "id": DEFAULT_MODEL_ID,
                 "weights": weights,
                 "pools": pools,
-                "worker": {"kv_cache_bytes": 768 << 20, "host_cache_bytes": 256 << 20, "threads": 1},
+                "worker": {
+                    "kv_cache_bytes": 768 << 20,
+                    "host_cache_bytes": 256 << 20,
+                    "threads": 1,
+                },
             }
         ],
     }

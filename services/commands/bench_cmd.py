@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from services.commands.common import WEIGHT_FORMATS, add_model_args
 
@@ -29,6 +30,13 @@ def add_command(sub) -> None:
     tra.add_argument("--repeats", type=int, default=3)
     tra.add_argument("--json", default=None)
     tra.set_defaults(handler=run_transfer)
+
+    for module in _BENCH_MODULES:
+        importlib.import_module(module).add_bench(kinds)
+
+
+# Benchmarks that live with their subsystem; each module has add_bench(kinds).
+_BENCH_MODULES = ["services.commands.kernels_cmd"]
 
 
 def run_engine(args: argparse.Namespace) -> int:

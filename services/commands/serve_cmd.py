@@ -33,6 +33,14 @@ def add_commands(sub) -> None:
     serve.add_argument(
         "--index", type=_non_negative_int, default=0, help="replica number within its role"
     )
+    serve.add_argument(
+        "--host",
+        default=None,
+        help="address to bind (coordinator) or to bind and advertise (worker; a pod's IP)",
+    )
+    serve.add_argument(
+        "--port", type=_port, default=None, help="port to bind (worker gRPC, coordinator HTTP)"
+    )
     serve.set_defaults(handler=run_serve)
 
 
@@ -60,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.service == "coordinator":
         from services.coordinator.main import run_coordinator
 
-        run_coordinator(config)
+        run_coordinator(config, bind_host=args.host, port=args.port)
         return 0
     ids = [m.id for m in config.models]
     model_id = args.model_id
@@ -72,7 +80,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail(f"--model-id {model_id!r} is not in {args.config} (models: {', '.join(ids)})")
     from services.worker.server import run_worker
 
-    run_worker(config, model_id, args.service, args.index)
+    if args.host is not None:
+        config = config.model_copy(update={"worker_host": args.host})
+    run_worker(config, model_id, args.service, args.index, port=args.port or 0)
     return 0
 
 

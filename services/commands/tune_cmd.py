@@ -127,8 +127,12 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     from services.tuner.bench import run_bench
 
     try:
-        return run_bench(args.profile, live=not args.no_live, live_requests=args.live_requests,
-                         json_path=args.json)
+        return run_bench(
+            args.profile,
+            live=not args.no_live,
+            live_requests=args.live_requests,
+            json_path=args.json,
+        )
     except ValueError as exc:
         return fail(str(exc))
 

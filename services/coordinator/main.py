@@ -64,13 +64,18 @@ def api_keys(config: DeploymentConfig) -> tuple[str, ...]:
     return keys
 
 
-async def serve_coordinator(config: DeploymentConfig) -> None:
+async def serve_coordinator(
+    config: DeploymentConfig, bind_host: str | None = None, port: int | None = None
+) -> None:
+    """`bind_host` overrides where we listen (a pod binds 0.0.0.0 while workers dial the
+    Service name in `coordinator.host`)."""
     infos = model_infos(config)
     registry = WorkerRegistry(config, {i.id: i.tokenizer.fingerprint for i in infos})
     grpc_server = grpc.aio.server()
     pb_grpc.add_RegistryServicer_to_server(RegistryService(registry), grpc_server)
     c = config.coordinator
-    grpc_server.add_insecure_port(f"{c.host}:{c.registry_port}")
+    host = bind_host or c.host
+    grpc_server.add_insecure_port(f"{host}:{c.registry_port}")
     await grpc_server.start()
     tracing = Tracing.from_config(config.telemetry, "splitserve-coordinator")
     backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
@@ -83,7 +88,7 @@ async def serve_coordinator(config: DeploymentConfig) -> None:
     )
     app = create_app(backend, settings, tracing)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=c.host, port=c.port, log_level="warning", lifespan="on")
+        uvicorn.Config(app, host=host, port=port or c.port, log_level="warning", lifespan="on")
     )
     server.install_signal_handlers = lambda: None  # we own SIGTERM: drain, then stop
     loop = asyncio.get_running_loop()
@@ -102,8 +107,10 @@ async def serve_coordinator(config: DeploymentConfig) -> None:
         await asyncio.to_thread(tracing.shutdown)
 
 
-def run_coordinator(config: DeploymentConfig) -> None:
+def run_coordinator(
+    config: DeploymentConfig, bind_host: str | None = None, port: int | None = None
+) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
-    asyncio.run(serve_coordinator(config))
+    asyncio.run(serve_coordinator(config, bind_host, port))

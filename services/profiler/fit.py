@@ -63,9 +63,7 @@ def nnls(features: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 def _fit(features: np.ndarray, target: np.ndarray) -> Fit:
     if len(target) < features.shape[1]:
-        raise ValueError(
-            f"{len(target)} measurements cannot fit {features.shape[1]} coefficients"
-        )
+        raise ValueError(f"{len(target)} measurements cannot fit {features.shape[1]} coefficients")
     coef = nnls(features, target)
     predicted = features @ coef
     error = float(np.max(np.abs(predicted - target) / np.maximum(target, 1e-9)))

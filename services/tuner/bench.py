@@ -107,8 +107,14 @@ def run_bench(
     report["machine"] = machine_info()
     rows = []
     for key, r in report["traces"].items():
-        rows.append((f"{key} requests/s simulated", r["requests_per_s_simulated"], RPS_TARGET,
-                     r["requests_per_s_simulated"] / RPS_TARGET))
+        rows.append(
+            (
+                f"{key} requests/s simulated",
+                r["requests_per_s_simulated"],
+                RPS_TARGET,
+                r["requests_per_s_simulated"] / RPS_TARGET,
+            )
+        )
         rows.append((f"{key} recommended", r["recommended_ratio"], r["replicas"], None))
         for k in ("ttft", "itl"):
             err = r[f"sim_vs_live_{k}_p50_error"]
@@ -128,8 +134,9 @@ def _live(report: dict, originals: dict, profile: ReplicaProfile, count: int) ->
         make_slice(bt.key, originals[bt.key], profile, vocab, count, 0, bt.live_length_scale)
         for bt in BENCH_TRACES
     ]
-    print(f"[bench tune] live: {len(slices)} slices of {count} requests, one stack",
-          file=sys.stderr)
+    print(
+        f"[bench tune] live: {len(slices)} slices of {count} requests, one stack", file=sys.stderr
+    )
     results = run_validation(slices, profile, vocab)
     for key, result in results.items():
         entry = report["traces"][key]

@@ -18,12 +18,7 @@ PREDICTED_KEYS = (
 
 def values_snippet(model_id: str, best: Evaluation) -> str:
     """The Helm values for this model's pools (helm/splitserve values.yaml `pools`)."""
-    return (
-        "pools:\n"
-        f"  {model_id}:\n"
-        f"    total: {best.replicas}\n"
-        f'    ratio: "{best.ratio}"\n'
-    )
+    return f'pools:\n  {model_id}:\n    total: {best.replicas}\n    ratio: "{best.ratio}"\n'
 
 
 def tune_json(result: TuneResult, model_id: str) -> dict:

@@ -103,4 +103,3 @@ class SimResult:
         if len(present) > 1:
             out["per_tier"] = {TIER_NAMES[p]: self.latency([p]) for p in present}
         return out
-

@@ -139,9 +139,7 @@ def tune(evaluate: Evaluator, max_replicas: int) -> TuneResult:
     if max_replicas < 2:
         raise ValueError("max_replicas must be at least 2 (one prefill and one decode)")
     slo = evaluate.slo
-    prefill = smallest_passing(
-        lambda p: evaluate(p, 1).ttft_violation <= 1.0, 1, max_replicas - 1
-    )
+    prefill = smallest_passing(lambda p: evaluate(p, 1).ttft_violation <= 1.0, 1, max_replicas - 1)
     decode = None
     if prefill is not None:
         decode = smallest_passing(

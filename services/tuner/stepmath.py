@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-
 UNBOUNDED = 1 << 62  # "as many steps as you like": the span has no end
 
 

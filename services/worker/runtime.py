@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import queue
+import socket
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,8 @@ class WorkerRuntime:
         self.config = config
         self.model_cfg: ModelDeployment = config.model(model_id)
         self.role = role
-        self.worker_id = f"{model_id}-{role}-{index}-{os.getpid()}"
+        # Host name too: in a pod every process is pid 1. The pid stays last (tests match it).
+        self.worker_id = f"{model_id}-{role}-{index}-{socket.gethostname()}-{os.getpid()}"
         path = self.model_cfg.path or default_model_path()
         worker = self.model_cfg.worker
         threads = worker.threads or max(1, (os.cpu_count() or 1) // max(1, config.num_workers))
@@ -79,7 +81,10 @@ class WorkerRuntime:
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
         self.async_engine = AsyncEngine(self.engine)
-        self.transfer: TransferBackend = create_backend(self.transfer_kind, self.worker_id)
+        options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
+        self.transfer: TransferBackend = create_backend(
+            self.transfer_kind, self.worker_id, **options
+        )
         self.transfer.register_pool(pool)
         self.parked: dict[str, ParkedKV] = {}
         self.started_at = time.time()

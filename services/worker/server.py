@@ -22,6 +22,9 @@ from shared.telemetry.worker_telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
+# In-flight streams get this long to finish on SIGTERM (the chart's termination grace is longer).
+DRAIN_GRACE_S = 30.0
+
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, runtime: WorkerRuntime, telemetry: WorkerTelemetry):
@@ -73,7 +76,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.StatsResponse(json=json.dumps(stats, default=str))
 
 
-async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index: int) -> None:
+async def serve_worker(
+    config: DeploymentConfig, model_id: str, role: str, index: int, port: int = 0
+) -> None:
     runtime = WorkerRuntime(config, model_id, role, index)
     telemetry = WorkerTelemetry.create(  # before the engine thread starts: it adds an observer
         config, runtime.engine, worker_id=runtime.worker_id, role=role, model=model_id
@@ -86,7 +91,7 @@ async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index
     if role in ("decode", "both"):
         control = DecodeTransferControl(runtime)
         add_control_servicer(server, control)
-    port = server.add_insecure_port(f"{config.worker_host}:0")
+    port = server.add_insecure_port(f"{config.worker_host}:{port}")
     await server.start()
     address = f"{config.worker_host}:{port}"
     registry_address = f"{config.coordinator.host}:{config.coordinator.registry_port}"
@@ -113,7 +118,7 @@ async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index
         for t in tasks:
             t.cancel()
         # Drain: stop taking new calls, give in-flight streams a moment to finish.
-        await server.stop(grace=5.0)
+        await server.stop(grace=DRAIN_GRACE_S)
         if control is not None:
             await control.close()
         if servicer.prefill_service is not None:
@@ -123,12 +128,14 @@ async def serve_worker(config: DeploymentConfig, model_id: str, role: str, index
         await asyncio.to_thread(telemetry.close)
 
 
-def run_worker(config: DeploymentConfig, model_id: str, role: str, index: int) -> None:
+def run_worker(
+    config: DeploymentConfig, model_id: str, role: str, index: int, port: int = 0
+) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role}[{index}] %(levelname)s %(message)s"
     )
     try:
-        asyncio.run(serve_worker(config, model_id, role, index))
+        asyncio.run(serve_worker(config, model_id, role, index, port))
     except RegistrationRefused as exc:
         log.error("registration refused: %s", exc)
         raise SystemExit(3) from exc
