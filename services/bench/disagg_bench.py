@@ -159,7 +159,7 @@ def run(
     short_every_s: float = 1.0,
     long_every_s: float = 12.0,
     reply_tokens: int = 128,
-    long_words: int = 1700,
+    long_words: int = 2300,
 ) -> dict:
     tokenizer = Tokenizer.from_gguf(default_model_path())
     result: dict = {

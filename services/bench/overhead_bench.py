@@ -133,6 +133,7 @@ def run(
             running[mode] = stacks.enter_context(
                 start_local_stack(config, startup_timeout_s, run_dir=Path(tmp) / mode)
             )
+        receiver.start()  # only now: no child process may be forked while gRPC threads run
         for n, mode in enumerate(MODES):  # first-touch costs are not what we measure
             asyncio.run(_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n))
         timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}

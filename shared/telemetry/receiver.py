@@ -3,6 +3,7 @@ services at instead of a real collector. It keeps every span it is sent, as Span
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,26 +26,41 @@ class _TraceService(pb_grpc.TraceServiceServicer):
 
 
 class OtlpReceiver:
-    """`with OtlpReceiver() as r:` then export to `r.endpoint`; `r.wait_for(...)`."""
+    """Export to `r.endpoint`; `r.start()`; `r.wait_for(...)`.
+
+    The port is chosen at construction but the gRPC server only exists between `start()`
+    and `stop()`: start it *after* launching child processes, because a process that
+    forks while gRPC's threads run can crash the child before it execs. `stop()` then
+    `start()` again plays a collector that went away and came back.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.host = host
+        self.port = port or _free_port(host)
+        self.endpoint = f"{host}:{self.port}"
         self._spans: list[SpanRecord] = []
         self._changed = threading.Condition()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        pb_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        self.endpoint = f"{host}:{self.port}"
+        self._server: grpc.Server | None = None
         self.requests = 0
 
     def start(self) -> OtlpReceiver:
-        self._server.start()
+        if self._server is not None:
+            return self
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
+        if server.add_insecure_port(self.endpoint) != self.port:
+            raise OSError(f"cannot listen on {self.endpoint} (taken since it was chosen?)")
+        server.start()
+        self._server = server
         return self
 
     def stop(self) -> None:
-        self._server.stop(grace=0.5).wait(2.0)
+        if self._server is not None:
+            self._server.stop(grace=0.5).wait(2.0)
+            self._server = None
 
     def __enter__(self) -> OtlpReceiver:
-        return self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -77,3 +93,9 @@ class OtlpReceiver:
                     raise TimeoutError(f"spans received so far: {names}")
                 self._changed.wait(left)
             return list(self._spans)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -28,7 +28,7 @@ PARENT_SPAN = "00f067aa0ba902b7"
 
 @pytest.fixture(scope="module")
 def receiver():
-    with OtlpReceiver() as r:
+    with OtlpReceiver() as r:  # started by `stack`, once its processes are forked
         yield r
 
 
@@ -57,6 +57,7 @@ def stack(receiver):
         ],
     }
     with start_local_stack(parse_config(config), startup_timeout_s=240) as running:
+        receiver.start()
         yield running
 
 
@@ -282,3 +283,7 @@ def test_a_dead_collector_changes_nothing_a_client_sees(stack, receiver):
         time.sleep(0.5)
     else:
         pytest.fail("the coordinator never counted spans it failed to export")
+    receiver.start()  # the collector comes back: traces flow again, nothing restarted
+    again = chat(stack, question)
+    assert again.json()["choices"][0]["message"]["content"] == before
+    complete_trace(receiver, again.headers["x-trace-id"])

@@ -25,7 +25,8 @@ from shared.telemetry.propagation import (
     current_trace_metadata,
     grpc_metadata,
 )
-from shared.telemetry.tracing import Tracing
+from shared.telemetry.receiver import OtlpReceiver
+from shared.telemetry.tracing import Tracing, create_exporter
 
 VALID_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -218,3 +219,37 @@ def test_file_export_failure_is_counted_not_raised(tmp_path):
     tracing.tracer.start_span("s").end()
     tracing.shutdown()
     assert tracing.processor.dropped_export_failed == 1
+
+
+def test_otlp_grpc_export_reaches_a_receiver_with_attributes_intact():
+    with OtlpReceiver() as receiver:
+        receiver.start()
+        config = TelemetryConfig(exporter="otlp_grpc", endpoint=receiver.endpoint)
+        tracing = Tracing.from_config(config, "splitserve-test", "instance-1")
+        parent = tracing.tracer.start_span("parent")
+        child = tracing.tracer.start_span(
+            "child",
+            context=otel_trace.set_span_in_context(parent),
+            attributes={"n": 3, "f": 0.5, "b": True, "l": ["a", "b"], "s": "x"},
+        )
+        child.add_event("e", {"k": 1})
+        child.set_status(Status(StatusCode.ERROR, "why"))
+        child.end()
+        parent.end()
+        tracing.shutdown()
+        spans = {s.name: s for s in receiver.wait_for(lambda got: len(got) == 2)}
+    child_rec = spans["child"]
+    assert child_rec.parent_span_id == spans["parent"].span_id
+    assert child_rec.attributes == {"n": 3, "f": 0.5, "b": True, "l": ["a", "b"], "s": "x"}
+    assert (child_rec.status, child_rec.status_message) == ("ERROR", "why")
+    assert child_rec.events[0].attributes == {"k": 1}
+    assert child_rec.service == "splitserve-test"
+    assert child_rec.resource["service.instance.id"] == "instance-1"
+
+
+def test_otlp_http_exporter_is_configured_from_the_deployment():
+    exporter = create_exporter(
+        TelemetryConfig(exporter="otlp_http", endpoint="http://collector:4318/v1/traces")
+    )
+    assert type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.http")
+    exporter.shutdown()
