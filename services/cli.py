@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands whose modules are imported lazily so `splitserve generate` starts fast.
 _LATER_COMMANDS: list[tuple[str, str]] = [
+    ("shared.quality.cli", "add_eval_command"),
     ("services.commands.serve_cmd", "add_commands"),
     ("services.commands.planner_cmd", "add_commands"),
 ]

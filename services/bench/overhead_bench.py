@@ -23,6 +23,7 @@ import httpx
 
 from services.bench.load import RequestTiming, filler_text, percentile, stream_chat
 from services.bench.plots import timing_samples
+from services.bench.span_cost import span_cost_ms
 from services.launcher import LocalStack, start_local_stack
 from shared.config.schema import parse_config
 from shared.model.loader import DEFAULT_MODEL_ID
@@ -102,6 +103,7 @@ def _summary(timings: list[RequestTiming], wall_s: float) -> dict:
         "ttft_p50_ms": percentile(ttft, 0.5),
         "ttft_p99_ms": percentile(ttft, 0.99),
         "itl_p50_ms": percentile(itl, 0.5),
+        "e2e_p50_ms": percentile([t.e2e_ms for t in ok], 0.5),
     }
 
 
@@ -151,6 +153,8 @@ def run(
     for mode in MODES:
         result[mode] = _summary(timings[mode], walls[mode])
     result["samples"] = {mode: timing_samples(timings[mode]) for mode in MODES}
+    # The same spans built in one quiet process: what the end-to-end difference should be.
+    result.update(span_cost_ms())
     _headline(result)
     return result
 
@@ -198,6 +202,14 @@ def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
             r["tracing_ttft_p50_delta_ms"],
             TTFT_DELTA_TARGET_MS,
             None,
+        )
+    )
+    rows.append(
+        (
+            "span CPU ms/request vs e2e p50 ms",
+            r["span_cpu_ms_per_request"],
+            off["e2e_p50_ms"],
+            r["span_cpu_ms_per_request"] / off["e2e_p50_ms"] if off["e2e_p50_ms"] else None,
         )
     )
     rows.append(("errors (off/file/otlp)", "/".join(str(r[m]["errors"]) for m in MODES), 0, None))

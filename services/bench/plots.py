@@ -137,6 +137,7 @@ def _cdf(series: dict[str, list[float]], title: str, xlabel: str) -> Figure:
     for label, values in sorted(series.items()):
         xs = sorted(values)
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        xs, ys = [xs[0], *xs], [0.0, *ys]  # rise from zero at the smallest sample
         ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
     ax.set_title(title)
     ax.set_xlabel(xlabel)

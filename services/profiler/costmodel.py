@@ -15,7 +15,7 @@ and a KV transfer of b bytes takes latency_ms + b / bytes_per_ms.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -68,6 +68,9 @@ class ReplicaProfile:
     kv_capacity_tokens: int  # tokens of KV one replica holds (prefix cache size, decode room)
     meta: dict = field(default_factory=dict)  # model, weights, threads, machine, date, fit errors
     measurements: dict = field(default_factory=dict)  # the raw points the fits came from
+    # What the serving path (HTTP, coordinator, gRPC) adds to a first token beyond the engine
+    # and the KV push; 0 for a bare-engine profile.
+    serving_overhead_ms: float = 0.0
 
     def prefill_ms(self, tokens: int, cached: int = 0) -> float:
         """One prompt alone on a replica: `tokens` long, the first `cached` already in cache."""
@@ -75,6 +78,25 @@ class ReplicaProfile:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def rescaled(
+        self, prefill_factor: float, decode_factor: float, serving_overhead_ms: float
+    ) -> ReplicaProfile:
+        """The same shapes at another speed (a replica with more or less of the CPU)."""
+        p, d = self.prefill, self.decode
+        return replace(
+            self,
+            prefill=PrefillModel(
+                p.step_ms * prefill_factor, p.token_ms * prefill_factor, p.attn_ms * prefill_factor
+            ),
+            decode=DecodeModel(
+                d.base_ms * decode_factor,
+                d.seq_ms * decode_factor,
+                d.ctx_ms * decode_factor,
+                d.ctx2_ms * decode_factor,
+            ),
+            serving_overhead_ms=serving_overhead_ms,
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +115,7 @@ class ReplicaProfile:
                 kv_capacity_tokens=int(raw["kv_capacity_tokens"]),
                 meta=dict(raw.get("meta", {})),
                 measurements=dict(raw.get("measurements", {})),
+                serving_overhead_ms=float(raw.get("serving_overhead_ms", 0.0)),
             )
         except KeyError as exc:
             raise ProfileError(f"{origin}: missing field {exc.args[0]!r}") from None
@@ -106,6 +129,8 @@ class ReplicaProfile:
             raise ProfileError(
                 f"{origin}: chunk_tokens, max_context and kv_capacity_tokens must be positive"
             )
+        if self.serving_overhead_ms < 0:
+            raise ProfileError(f"{origin}: serving_overhead_ms is negative")
         if self.transfer.gb_s <= 0:
             raise ProfileError(f"{origin}: transfer.gb_s must be positive")
         coefficients = {

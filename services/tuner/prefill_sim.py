@@ -26,6 +26,7 @@ class PrefillReplica:
         "model",
         "chunk",
         "transfer",
+        "overhead_ms",
         "kv_bytes_per_token",
         "table",
         "on_first_token",
@@ -50,11 +51,13 @@ class PrefillReplica:
         table: RequestTable,
         cache: PrefixCache,
         on_first_token: Callable[[int, float], None],
+        overhead_ms: float = 0.0,
     ):
         self.index = index
         self.model = model
         self.chunk = chunk
         self.transfer = transfer
+        self.overhead_ms = overhead_ms
         self.kv_bytes_per_token = kv_bytes_per_token
         self.table = table
         self.cache = cache
@@ -157,6 +160,7 @@ class PrefillReplica:
         table = self.table
         end = self.clock
         table.prefill_end[rid] = end
-        first_token = end + self.transfer.ms(table.input[rid] * self.kv_bytes_per_token)
+        push = self.transfer.ms(table.input[rid] * self.kv_bytes_per_token)
+        first_token = end + push + self.overhead_ms
         heapq.heappush(self._pushing, first_token)
         self.on_first_token(rid, first_token)

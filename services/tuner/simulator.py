@@ -77,6 +77,7 @@ def simulate(
             table,
             PrefixCache(blocks),
             on_first_token,
+            profile.serving_overhead_ms,
         )
         for i in range(fleet.prefill_replicas)
     ]

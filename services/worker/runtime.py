@@ -21,6 +21,7 @@ from shared.kvcache.events import KVEvent
 from shared.kvcache.tables import BlockTable
 from shared.model.llama import LlamaModel
 from shared.model.loader import default_model_path, read_checkpoint
+from shared.quality.require import require_gate
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class WorkerRuntime:
             preemption_mode=worker.preemption_mode,
             num_threads=threads,
         )
+        # A cheaper build serves only if it passed the quality gate against fp32.
+        require_gate(self.model_cfg.weights, model=self.model_cfg.path)
         self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
         model = LlamaModel(read_checkpoint(path), weights=self.model_cfg.weights)
         layout = model.kv_layout(config.block_size)

@@ -18,6 +18,7 @@ from services.worker.runtime import WorkerRuntime
 from shared.config.schema import DeploymentConfig
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.quality.require import QualityGateError
 from shared.telemetry.worker_telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -139,5 +140,8 @@ def run_worker(
     except RegistrationRefused as exc:
         log.error("registration refused: %s", exc)
         raise SystemExit(3) from exc
+    except QualityGateError as exc:
+        log.error("refusing to serve: %s", exc)
+        raise SystemExit(4) from exc
     with contextlib.suppress(Exception):
         logging.shutdown()

@@ -17,6 +17,22 @@ from shared.quality.gate import (
 )
 from shared.quality.report import GateReport, default_report_path, model_fingerprint
 
+# Reports for the bundled model, measured by `splitserve eval` and shipped with the project so
+# that a fresh install can serve the cheaper builds it was gated for.
+SHIPPED_REPORTS = Path(__file__).resolve().parent / "reports"
+AUTO_PATHS = ("int4", "bf16")
+
+
+def _find(fingerprint: str, weights: str, cache_dir) -> Path | None:
+    """An explicit cache dir is the only place looked at; by default the user's own report
+    (~/.cache/splitserve) comes first, then the one shipped with the project."""
+    bases = [cache_dir] if cache_dir is not None else [None, SHIPPED_REPORTS]
+    for base in bases:
+        path = default_report_path(fingerprint, weights, base)
+        if path.is_file():
+            return path
+    return None
+
 
 class QualityGateError(RuntimeError):
     """A build may not serve: it failed the quality gate, or was never (fully) evaluated."""
@@ -44,10 +60,17 @@ def require_gate(
         )
     model_path = str(model) if model is not None else default_model_path()
     fingerprint = model_fingerprint(model_path)
+    if report_path is None and weights == "auto" and not _find(fingerprint, weights, cache_dir):
+        # `auto` runs exactly two paths (int4 for small decode steps, bf16 above): it may serve
+        # when both builds passed on their own.
+        for part in AUTO_PATHS:
+            require_gate(part, None, model, cache_dir)
+        return None
     path = (
         Path(report_path)
         if report_path is not None
-        else default_report_path(fingerprint, weights, cache_dir)
+        else _find(fingerprint, weights, cache_dir)
+        or default_report_path(fingerprint, weights, cache_dir)
     )
     model_flag = f" --model {model_path}" if model is not None else ""
     fix = f"run `splitserve eval --weights {weights}{model_flag}`, or serve {BASELINE_WEIGHTS}"
