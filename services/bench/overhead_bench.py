@@ -1,8 +1,8 @@
 """`splitserve bench overhead`: what tracing costs a request.
 
 Three local stacks, identical but for `telemetry:`: tracing off; on at 100% sampling to the
-JSON-lines file; on at 100% to OTLP/gRPC (an in-process receiver standing in for the
-collector). All three run at once and are driven in turn, round after round, in a rotating
+JSON-lines file; on at 100% to OTLP/gRPC (a receiver in its own process standing in for
+the collector). All three run at once and are driven in turn, round after round, in a rotating
 order, so that drift on a shared machine (thermal, other jobs) falls on every mode alike.
 Each round is a closed loop of streamed chat requests at a fixed concurrency.
 
@@ -28,7 +28,7 @@ from services.launcher import LocalStack, start_local_stack
 from shared.config.schema import parse_config
 from shared.model.loader import DEFAULT_MODEL_ID
 from shared.telemetry.file_export import read_span_file
-from shared.telemetry.receiver import OtlpReceiver
+from shared.telemetry.receiver import ReceiverProcess
 
 MODES = ("off", "file", "otlp")
 THROUGHPUT_TARGET = 0.98
@@ -125,7 +125,7 @@ def run(
     }
     with (
         tempfile.TemporaryDirectory(prefix="splitserve-overhead-") as tmp,
-        OtlpReceiver() as receiver,
+        ReceiverProcess() as receiver,
         contextlib.ExitStack() as stacks,
     ):
         trace_file = Path(tmp) / "traces.jsonl"
@@ -135,7 +135,7 @@ def run(
             running[mode] = stacks.enter_context(
                 start_local_stack(config, startup_timeout_s, run_dir=Path(tmp) / mode)
             )
-        receiver.start()  # only now: no child process may be forked while gRPC threads run
+        receiver.start()  # its own process, like a real collector: no GIL shared with us
         for n, mode in enumerate(MODES):  # first-touch costs are not what we measure
             asyncio.run(_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n))
         timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}
@@ -149,7 +149,7 @@ def run(
                 walls[mode] += wall
         stacks.close()  # flushes every service's spans before they are counted
         result["spans_written_file"] = len(read_span_file(trace_file)) if trace_file.exists() else 0
-        result["spans_received_otlp"] = len(receiver.spans)
+        result["spans_received_otlp"] = receiver.span_count()
     for mode in MODES:
         result[mode] = _summary(timings[mode], walls[mode])
     result["samples"] = {mode: timing_samples(timings[mode]) for mode in MODES}

@@ -138,6 +138,13 @@ def _live(report: dict, originals: dict, profile: ReplicaProfile, count: int) ->
         f"[bench tune] live: {len(slices)} slices of {count} requests, one stack", file=sys.stderr
     )
     results = run_validation(slices, profile, vocab)
+    report["live_check_note"] = (
+        f"one local stack (1 prefill + 1 decode replica, 1 thread each), one {count}-request "
+        "slice per trace replayed on it in turn; the simulator runs on the profile anchored "
+        "to the stack's speed by isolated probes before and after each slice (see "
+        "services/tuner/calibrate.py); errors with the profile as measured are under "
+        "live_check.as_profiled"
+    )
     for key, result in results.items():
         entry = report["traces"][key]
         entry["sim_vs_live_ttft_p50_error"] = result["sim_vs_live_ttft_p50_error"]

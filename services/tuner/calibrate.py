@@ -5,15 +5,22 @@ profile measured minutes earlier can be off by half in either direction, which s
 about the simulator. So the live check first sends a few requests one at a time (no queueing,
 no batching: nothing the simulator has to predict) and fits, against the profile's own
 predictions for them, a prefill speed factor plus a fixed serving overhead, and a decode
-speed factor. The shapes (how cost grows with length, batch and context) stay the profile's;
-the replayed slice, with its queueing and batching, is what the check then compares.
+speed factor. The shapes (how cost grows with length, batch and context) stay the profile's.
+
+One more thing is particular to a local stack: its prefill and decode replicas share the
+machine's cores, so a prefill runs slower while the decode replica is busy (about 2x here),
+which a fleet of separate accelerators does not do. Probes sent while a long decode stream
+runs measure that slowdown; the live check applies it in proportion to how busy the
+simulated decode replica is (`interference`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import httpx
 import numpy as np
@@ -22,7 +29,8 @@ from services.profiler.costmodel import ReplicaProfile
 from services.profiler.fit import nnls
 from services.tuner.validate_client import stream_completion
 
-PROBE_LENGTHS = (32, 256, 1024)
+ALONE_LENGTHS = (32, 256, 1024)
+BUSY_LENGTHS = (128, 512)
 PROBE_TOKENS = 12
 
 
@@ -31,46 +39,90 @@ class Probe:
     tokens: int
     ttft_ms: float
     itl_p50_ms: float
+    neighbour_busy: bool  # a decode stream was running on the other replica meanwhile
 
 
-async def probe(base_url: str, model: str, vocab_size: int, seed: int) -> list[Probe]:
-    rng = random.Random(seed)
-    probes = []
-    async with httpx.AsyncClient() as client:
-        for length in PROBE_LENGTHS:
-            body = {
-                "model": model,
-                "prompt": [rng.randrange(100, vocab_size - 100) for _ in range(length)],
-                "max_tokens": PROBE_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            timing = await stream_completion(client, f"{base_url}/completions", body)
-            if timing.error or timing.ttft_ms is None or not timing.itl_ms:
-                raise RuntimeError(f"probe of {length} tokens failed: {timing.error}")
-            probes.append(Probe(length, timing.ttft_ms, statistics.median(timing.itl_ms)))
-    return probes
+@dataclass(frozen=True)
+class Anchoring:
+    profile: ReplicaProfile  # the profile at the probes' speed, replicas undisturbed
+    prefill_factor: float
+    serving_overhead_ms: float
+    decode_factor: float
+    busy_prefill_slowdown: float  # prefill time with the decode replica busy / without
+
+    def report(self) -> dict:
+        out = asdict(self)
+        del out["profile"]
+        return out
 
 
-def anchor(profile: ReplicaProfile, probes: list[Probe]) -> tuple[ReplicaProfile, dict]:
-    """The profile at the probes' speed: live TTFT = a * predicted + b, live ITL = c * step."""
-    predicted = np.array(
-        [
-            profile.prefill_ms(p.tokens) + profile.transfer.ms(p.tokens * profile.kv_bytes_per_token)
-            for p in probes
+class Prober:
+    def __init__(self, base_url: str, model: str, vocab_size: int, seed: int):
+        self.url = f"{base_url}/completions"
+        self.model = model
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+
+    def _body(self, length: int, tokens: int) -> dict:
+        return {
+            "model": self.model,
+            "prompt": [self.rng.randrange(100, self.vocab_size - 100) for _ in range(length)],
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+    async def _one(self, client: httpx.AsyncClient, length: int, busy: bool) -> Probe:
+        timing = await stream_completion(client, self.url, self._body(length, PROBE_TOKENS))
+        if timing.error or timing.ttft_ms is None or not timing.itl_ms:
+            raise RuntimeError(f"probe of {length} tokens failed: {timing.error}")
+        return Probe(length, timing.ttft_ms, statistics.median(timing.itl_ms), busy)
+
+    async def run(self) -> list[Probe]:
+        probes = []
+        async with httpx.AsyncClient() as client:
+            for length in ALONE_LENGTHS:
+                probes.append(await self._one(client, length, busy=False))
+            for length in BUSY_LENGTHS:
+                # A long reply keeps the decode replica stepping for the whole probe.
+                neighbour = asyncio.create_task(
+                    stream_completion(client, self.url, self._body(32, 4000))
+                )
+                await asyncio.sleep(0.5)
+                probes.append(await self._one(client, length, busy=True))
+                neighbour.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await neighbour
+        return probes
+
+
+def probe(base_url: str, model: str, vocab_size: int, seed: int) -> list[Probe]:
+    return asyncio.run(Prober(base_url, model, vocab_size, seed).run())
+
+
+def _push_ms(profile: ReplicaProfile, tokens: int) -> float:
+    return profile.transfer.ms(tokens * profile.kv_bytes_per_token)
+
+
+def anchor(profile: ReplicaProfile, probes: list[Probe]) -> Anchoring:
+    """Fit live TTFT = a * prefill + push + b and ITL = c * step on the undisturbed probes;
+    the busy probes' prefill time over `a * prefill` is what a busy neighbour costs."""
+    alone = [p for p in probes if not p.neighbour_busy]
+    busy = [p for p in probes if p.neighbour_busy]
+    compute = np.array([profile.prefill_ms(p.tokens) for p in alone])
+    rest = np.array([p.ttft_ms - _push_ms(profile, p.tokens) for p in alone])
+    a, b = nnls(np.stack([compute, np.ones_like(compute)], 1), rest)
+    if a <= 0:  # probes too noisy to show any growth with length: keep the profile's speed
+        a, b = 1.0, max(0.0, float(np.median(rest - compute)))
+    steps = [profile.decode.step(1, p.tokens + 1 + PROBE_TOKENS // 2) for p in alone]
+    c = float(np.median([p.itl_p50_ms / s for p, s in zip(alone, steps, strict=True)]))
+    anchored = profile.rescaled(float(a), c, float(b))
+    slowdown = 1.0
+    if busy:
+        ratios = [
+            (p.ttft_ms - _push_ms(profile, p.tokens) - b) / anchored.prefill_ms(p.tokens)
+            for p in busy
         ]
-    )
-    live = np.array([p.ttft_ms for p in probes])
-    prefill_factor, overhead = nnls(np.stack([predicted, np.ones_like(predicted)], 1), live)
-    if prefill_factor <= 0:  # probes too noisy to see any growth: keep the profile's speed
-        prefill_factor, overhead = 1.0, max(0.0, float(np.median(live - predicted)))
-    steps = [profile.decode.step(1, p.tokens + 1 + PROBE_TOKENS // 2) for p in probes]
-    decode_factor = float(np.median([p.itl_p50_ms / s for p, s in zip(probes, steps, strict=True)]))
-    anchored = profile.rescaled(float(prefill_factor), decode_factor, float(overhead))
-    return anchored, {
-        "prefill_factor": float(prefill_factor),
-        "serving_overhead_ms": float(overhead),
-        "decode_factor": decode_factor,
-        "probes": [p.__dict__ for p in probes],
-    }
+        slowdown = max(1.0, float(np.median(ratios)))
+    return Anchoring(anchored, float(a), float(b), c, slowdown)

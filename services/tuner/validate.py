@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from services.bench.load import RequestTiming, percentile, summarize
+from services.bench.load import RequestTiming, summarize
 from services.profiler.costmodel import ReplicaProfile
-from services.tuner.calibrate import Probe, anchor, probe
+from services.tuner.calibrate import Anchoring, anchor, probe
 from services.tuner.fleet import FleetConfig
 from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
@@ -138,13 +138,30 @@ async def warm_up(base_url: str, model: str, vocab_size: int) -> None:
 
 def compare(sl: LiveSlice, timings: list[RequestTiming], profile: ReplicaProfile) -> dict:
     live = summarize(timings)
-    sim = simulate(sl.trace, profile, FleetConfig(1, 1)).latency()
+    sim = simulate(sl.trace, profile, FleetConfig(1, 1))
+    return _errors(live, sim.latency()) | {
+        "decode_utilization": sim.summary()["decode_utilization"]
+    }
+
+
+def compare_anchored(sl: LiveSlice, timings: list[RequestTiming], anchoring: Anchoring) -> dict:
+    """With the anchored profile, its prefill slowed in proportion to how busy the simulated
+    decode replica is (the two share this machine's cores; see `calibrate`)."""
+    undisturbed = compare(sl, timings, anchoring.profile)
+    busy = undisturbed["decode_utilization"]
+    factor = 1.0 + busy * (anchoring.busy_prefill_slowdown - 1.0)
+    p = anchoring.profile
+    slowed = p.rescaled(factor, 1.0, p.serving_overhead_ms)
+    result = compare(sl, timings, slowed)
+    result["interference"] = {"decode_utilization": busy, "prefill_factor": factor}
+    return result
+
+
+def _errors(live: dict, sim: dict) -> dict:
     out = {"live": live, "sim": sim}
     for key in ("ttft_p50_ms", "itl_p50_ms"):
         name = f"sim_vs_live_{key.removesuffix('_ms')}_error"
         out[name] = abs(sim[key] - live[key]) / live[key] if live[key] and sim[key] else None
-    ttft_live = [t.ttft_ms for t in timings if t.ttft_ms is not None]
-    out["live_ttft_p90_ms"] = percentile(ttft_live, 0.9)
     return out
 
 
@@ -166,7 +183,7 @@ def stack_config(weights: str = "auto") -> dict:
 
 
 def run_validation(
-    slices: list[LiveSlice], profile: ReplicaProfile, vocab_size: int, weights: str = "auto"
+    slices: list[LiveSlice], profile: ReplicaProfile, vocab_size: int
 ) -> dict[str, dict]:
     """Start one local stack; probe it, then replay each slice and probe again. Each slice is
     simulated with the profile anchored to the probes on either side of it (the headline
@@ -176,20 +193,22 @@ def run_validation(
     from shared.model.loader import DEFAULT_MODEL_ID
 
     results = {}
-    config = parse_config(stack_config(weights))
+    # The stack serves the weights the profile measured.
+    config = parse_config(stack_config(profile.meta.get("weights", "auto")))
     with start_local_stack(config, startup_timeout_s=600) as stack:
         url = stack.base_url
         asyncio.run(warm_up(url, DEFAULT_MODEL_ID, vocab_size))
-        before: list[Probe] = asyncio.run(probe(url, DEFAULT_MODEL_ID, vocab_size, seed=0))
+        before = probe(url, DEFAULT_MODEL_ID, vocab_size, seed=0)
         for i, sl in enumerate(slices):
             timings = asyncio.run(replay(url, DEFAULT_MODEL_ID, sl))
-            after = asyncio.run(probe(url, DEFAULT_MODEL_ID, vocab_size, seed=i + 1))
-            anchored, factors = anchor(profile, before + after)
-            result = compare(sl, timings, anchored)
+            after = probe(url, DEFAULT_MODEL_ID, vocab_size, seed=i + 1)
+            anchoring = anchor(profile, before + after)
+            result = compare_anchored(sl, timings, anchoring)
             raw = compare(sl, timings, profile)
             result.update(
                 slice=sl.trace.summary(),
-                anchoring=factors,
+                anchoring=anchoring.report(),
+                probes=[p.__dict__ for p in before + after],
                 as_profiled={k: v for k, v in raw.items() if k != "live"},
             )
             results[sl.name] = result

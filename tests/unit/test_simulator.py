@@ -21,13 +21,17 @@ from services.tuner.stepmath import run_ms, steps_to_reach, steps_within
 from services.tuner.synthetic import poisson_trace, uniform_trace
 from services.tuner.trace import Trace
 
+PREFILL = PrefillModel(5.0, 1.0, 0.001)
+DECODE = DecodeModel(3.0, 1.0, 0.01)
+TRANSFER = TransferModel(2.0, 1.0)
+
 
 def make_profile(
-    prefill=PrefillModel(5.0, 1.0, 0.001),
-    decode=DecodeModel(3.0, 1.0, 0.01),
-    transfer=TransferModel(2.0, 1.0),
-    chunk=100,
-    kv_capacity=100_000,
+    prefill: PrefillModel = PREFILL,
+    decode: DecodeModel = DECODE,
+    transfer: TransferModel = TRANSFER,
+    chunk: int = 100,
+    kv_capacity: int = 100_000,
 ) -> ReplicaProfile:
     return ReplicaProfile(
         prefill=prefill,

@@ -1,0 +1,83 @@
+"""The live check's offline parts: slices whose prompts share tokens exactly where their
+trace blocks agree, and the anchoring of a profile to probe requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
+from services.tuner.calibrate import Probe, anchor
+from services.tuner.trace import Trace
+from services.tuner.validate import make_slice
+
+
+def _profile() -> ReplicaProfile:
+    return ReplicaProfile(
+        prefill=PrefillModel(10.0, 1.0, 0.0),
+        decode=DecodeModel(20.0, 2.0, 0.001),
+        transfer=TransferModel(1.0, 10.0),
+        chunk_tokens=512,
+        kv_bytes_per_token=1000,
+        max_context=8192,
+        kv_capacity_tokens=10_000,
+    )
+
+
+def _mooncake_like() -> Trace:
+    return Trace(
+        name="m",
+        format="mooncake",
+        arrival_ms=np.array([0.0, 0.0, 1000.0, 3000.0]),
+        input_tokens=np.array([2000, 1500, 4000, 100], dtype=np.int64),
+        output_tokens=np.array([300, 10, 900, 5], dtype=np.int64),
+        hash_ids=[(0, 1, 2, 3), (0, 1, 5), (0, 1, 2, 3, 6, 7, 8, 9), (11,)],
+        block_tokens=512,
+    )
+
+
+def test_slice_prompts_share_tokens_exactly_where_block_ids_agree():
+    sl = make_slice("m", _mooncake_like(), _profile(), vocab_size=1000, count=4, length_scale=0.5)
+    block = 256  # 512 * 0.5
+    lengths = [len(p) for p in sl.prompts]
+    assert lengths == sl.trace.input_tokens.tolist() == [1000, 750, 1500, 50]
+    assert sl.trace.output_tokens.tolist() == [64, 5, 64, 2]  # capped at 64, at least 2
+    a, b, c, d = sl.prompts
+    assert a[: 2 * block] == b[: 2 * block] and a[2 * block] != b[2 * block]
+    assert c[:1000] == a  # c extends a: all four of a's blocks, then its own
+    assert d[:50] != a[:50]
+    assert all(100 <= t < 900 for p in sl.prompts for t in p)
+
+
+def test_slice_arrivals_keep_their_pattern_at_the_target_utilization():
+    profile = _profile()
+    sl = make_slice("m", _mooncake_like(), profile, 1000, count=4, utilization=0.5)
+    busy = sum(profile.prefill_ms(int(n)) for n in sl.trace.input_tokens)
+    assert sl.trace.arrival_ms[-1] == pytest.approx(busy / 0.5)
+    gaps = np.diff(sl.trace.arrival_ms)
+    assert gaps[0] == 0.0 and gaps[2] == pytest.approx(2 * gaps[1])
+
+
+def test_anchoring_recovers_speed_overhead_and_a_busy_neighbours_cost():
+    profile = _profile()
+
+    def first_token(n: int, slowdown: float) -> float:
+        push = profile.transfer.ms(n * profile.kv_bytes_per_token)
+        return slowdown * profile.prefill_ms(n) + push + 20.0
+
+    # The stack runs prefill 1.5x slower than profiled plus 20 ms of serving path, decode
+    # 1.2x slower, and prefill a further 2x slower while the decode replica is busy.
+    alone = [
+        Probe(n, first_token(n, 1.5), 1.2 * profile.decode.step(1, n + 7), False)
+        for n in (32, 256, 1024)
+    ]
+    busy = [Probe(n, first_token(n, 3.0), 0.0, True) for n in (128, 512)]
+    result = anchor(profile, alone + busy)
+    assert result.prefill_factor == pytest.approx(1.5, rel=1e-6)
+    assert result.serving_overhead_ms == pytest.approx(20.0, rel=1e-6)
+    assert result.decode_factor == pytest.approx(1.2, rel=1e-6)
+    assert result.busy_prefill_slowdown == pytest.approx(2.0, rel=1e-6)
+    anchored = result.profile
+    assert anchored.prefill_ms(300) == pytest.approx(1.5 * profile.prefill_ms(300))
+    assert anchored.serving_overhead_ms == pytest.approx(20.0)
+    assert anchored.decode.step(4, 4000) == pytest.approx(1.2 * profile.decode.step(4, 4000))
