@@ -146,6 +146,27 @@ def _evaluate(
         gc.collect()
 
 
+def _write_json(
+    out_path: str, model_path: str, fingerprint: str, baseline: BuildRun, reports: list[GateReport]
+) -> None:
+    out = {
+        "model": {"path": model_path, "fingerprint": fingerprint},
+        "baseline": {
+            "weights": BASELINE_WEIGHTS,
+            "piqa_accuracy": baseline.piqa.accuracy,
+            "items": baseline.piqa.items,
+            "seconds": baseline.seconds,
+        },
+        "limits": {
+            "max_piqa_delta_points": MAX_PIQA_DELTA_POINTS,
+            "min_top1_agreement": MIN_TOP1_AGREEMENT,
+        },
+        "builds": {r.weights: r.to_dict() for r in reports},
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    Path(out_path).write_text(json.dumps(out, indent=2) + "\n")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     try:
         weights_list = parse_weights(args.weights)
@@ -186,6 +207,9 @@ def run_eval(args: argparse.Namespace) -> int:
             saved = default_report_path(fingerprint, weights, args.report_dir)
             report.save(saved)
             print(f"gate report for {weights}: {saved}", file=sys.stderr)
+        if args.json_out:
+            # Rewritten after every build: a run stopped midway keeps what it finished.
+            _write_json(args.json_out, model_path, fingerprint, baseline, reports)
 
     print(_table(reports, baseline))
     if not evalset.complete:
@@ -194,21 +218,4 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{len(all_texts)} texts; no gate report saved)",
             file=sys.stderr,
         )
-    if args.json_out:
-        out = {
-            "model": {"path": model_path, "fingerprint": fingerprint},
-            "baseline": {
-                "weights": BASELINE_WEIGHTS,
-                "piqa_accuracy": baseline.piqa.accuracy,
-                "items": baseline.piqa.items,
-                "seconds": baseline.seconds,
-            },
-            "limits": {
-                "max_piqa_delta_points": MAX_PIQA_DELTA_POINTS,
-                "min_top1_agreement": MIN_TOP1_AGREEMENT,
-            },
-            "builds": {r.weights: r.to_dict() for r in reports},
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-        Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
     return EXIT_PASSED if all(r.passed for r in reports) else EXIT_REFUSED

@@ -3,12 +3,16 @@ services at instead of a real collector. It keeps every span it is sent, as Span
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
@@ -104,34 +108,57 @@ def _free_port(host: str) -> int:
 
 class ReceiverProcess:
     """An OtlpReceiver in its own process: a collector that takes no CPU time or GIL from the
-    process measuring latency (benchmarks). Reports only how many spans it received."""
+    process measuring latency (benchmarks). Reports only how many spans it received.
+
+    A fresh interpreter (`python -m shared.telemetry.receiver PORT`), driven over its stdin
+    and stdout one line at a time: it prints "ready", answers "count" with a number, and
+    exits on "stop" or end of input.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.host = host
         self.port = port or _free_port(host)
         self.endpoint = f"{host}:{self.port}"
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked gRPC
-        self._conn, child = context.Pipe()
-        self._process = context.Process(
-            target=_serve_in_child, args=(host, self.port, child), name="otlp-receiver"
-        )
+        self._process: subprocess.Popen[str] | None = None
 
     def start(self) -> ReceiverProcess:
-        self._process.start()
-        if self._conn.recv() != "ready":
-            raise RuntimeError("the OTLP receiver process failed to start")
+        root = str(Path(__file__).resolve().parents[2])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "shared.telemetry.receiver", self.host, str(self.port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        if self._ask(None) != "ready":
+            raise RuntimeError(f"the OTLP receiver process did not start on {self.endpoint}")
         return self
 
     def span_count(self) -> int:
-        self._conn.send("count")
-        return int(self._conn.recv())
+        return int(self._ask("count"))
+
+    def _ask(self, command: str | None) -> str:
+        assert self._process is not None and self._process.stdin and self._process.stdout
+        if command is not None:
+            self._process.stdin.write(command + "\n")
+            self._process.stdin.flush()
+        return self._process.stdout.readline().strip()
 
     def stop(self) -> None:
-        if self._process.is_alive():
-            self._conn.send("stop")
-            self._process.join(5.0)
-        if self._process.is_alive():
+        if self._process is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._process.stdin.close()  # type: ignore[union-attr]
+        try:
+            self._process.wait(5.0)
+        except subprocess.TimeoutExpired:
             self._process.kill()
+            self._process.wait()
+        self._process = None
 
     def __enter__(self) -> ReceiverProcess:
         return self
@@ -140,10 +167,16 @@ class ReceiverProcess:
         self.stop()
 
 
-def _serve_in_child(host: str, port: int, conn) -> None:
+def _serve(host: str, port: int) -> None:
     receiver = OtlpReceiver(host, port).start()
-    conn.send("ready")
-    while (command := conn.recv()) != "stop":
-        if command == "count":
-            conn.send(len(receiver.spans))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "count":
+            print(len(receiver.spans), flush=True)
+        elif line.strip() == "stop":
+            break
     receiver.stop()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -25,7 +25,7 @@ from shared.telemetry.propagation import (
     current_trace_metadata,
     grpc_metadata,
 )
-from shared.telemetry.receiver import OtlpReceiver
+from shared.telemetry.receiver import OtlpReceiver, ReceiverProcess
 from shared.telemetry.tracing import Tracing, create_exporter
 
 VALID_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -253,3 +253,15 @@ def test_otlp_http_exporter_is_configured_from_the_deployment():
     )
     assert type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.http")
     exporter.shutdown()
+
+
+def test_receiver_in_its_own_process_counts_what_it_is_sent():
+    with ReceiverProcess() as receiver:
+        receiver.start()
+        config = TelemetryConfig(exporter="otlp_grpc", endpoint=receiver.endpoint)
+        tracing = Tracing.from_config(config, "splitserve-test")
+        for i in range(7):
+            tracing.tracer.start_span(f"s{i}").end()
+        tracing.shutdown()
+        assert receiver.span_count() == 7
+    assert receiver._process is None  # stopped and reaped
