@@ -26,6 +26,7 @@ _LATER_COMMANDS: list[tuple[str, str]] = [
     ("shared.quality.cli", "add_eval_command"),
     ("services.commands.serve_cmd", "add_commands"),
     ("services.commands.planner_cmd", "add_commands"),
+    ("services.commands.trace_cmd", "add_commands"),
 ]
 
 

@@ -14,7 +14,12 @@ def add_commands(sub) -> None:
     prof = sub.add_parser("profile", help="measure one replica here: the tuner's calibration")
     prof.add_argument("--json", required=True, metavar="OUT", help="write the profile here")
     prof.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
-    prof.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
+    prof.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHT_FORMATS,
+        help="default: what `splitserve up` serves (the deployment config's default)",
+    )
     prof.add_argument(
         "--threads", type=_positive_int, default=1, help="torch threads (a local replica's: 1)"
     )
@@ -98,8 +103,13 @@ def add_bench(kinds) -> None:
 def run_profile_cmd(args: argparse.Namespace) -> int:
     from services.profiler.run import run_profile
 
+    weights = args.weights
+    if weights is None:
+        from shared.config.schema import ModelDeployment
+
+        weights = ModelDeployment().weights
     profile = run_profile(
-        weights=args.weights,
+        weights=weights,
         model_path=args.model,
         threads=args.threads,
         quick=args.quick,

@@ -111,11 +111,13 @@ class GrpcBackend:
             priority=req.priority,
             prompt_logprobs=req.prompt_logprobs,
         )
-        stream = self._run(req, decision, spec, tracker)
-        async for chunk in stream:
-            yield chunk
-            if chunk.finished:
-                return
+        # aclosing: the inner generator's cleanup (in-flight counts, cancelling the Decode
+        # call) must run when we stop, not whenever it is garbage-collected.
+        async with contextlib.aclosing(self._run(req, decision, spec, tracker)) as stream:
+            async for chunk in stream:
+                yield chunk
+                if chunk.finished:
+                    return
 
     async def _run(
         self, req, decision: RoutingDecision, spec, tracker

@@ -57,7 +57,7 @@ def _stderr(message: str) -> None:
 
 
 def run_profile(
-    weights: str = "auto",
+    weights: str = "bf16",
     model_path: str | None = None,
     threads: int = 1,
     quick: bool = False,
