@@ -27,6 +27,7 @@ _LATER_COMMANDS: list[tuple[str, str]] = [
     ("services.commands.serve_cmd", "add_commands"),
     ("services.commands.planner_cmd", "add_commands"),
     ("services.commands.trace_cmd", "add_commands"),
+    ("services.commands.tune_cmd", "add_commands"),
 ]
 
 

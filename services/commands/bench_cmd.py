@@ -36,7 +36,11 @@ def add_command(sub) -> None:
 
 
 # Benchmarks that live with their subsystem; each module has add_bench(kinds).
-_BENCH_MODULES = ["services.commands.kernels_cmd", "services.commands.trace_cmd"]
+_BENCH_MODULES = [
+    "services.commands.kernels_cmd",
+    "services.commands.trace_cmd",
+    "services.commands.tune_cmd",
+]
 
 
 def run_engine(args: argparse.Namespace) -> int:
