@@ -73,8 +73,9 @@ def measure_prefill(
         for fraction in fractions:
             # Whole blocks only (the cache holds full blocks), and never the whole prompt.
             cached = min(int(tokens * fraction) // block * block, (tokens - 1) // block * block)
+            # The least disturbed run: on a shared machine noise only ever adds time.
             times = [time_prefill(engine, prompts, tokens, cached) for _ in range(repeats)]
-            points.append(PrefillPoint(tokens, cached, statistics.median(times)))
+            points.append(PrefillPoint(tokens, cached, min(times)))
             progress(f"prefill {tokens} tokens, {cached} cached: {points[-1].ms:.1f} ms")
     return points
 
@@ -95,10 +96,12 @@ def time_decode(
     try:
         for _ in range(warmup):
             engine.step()
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            start = time.perf_counter()
             engine.step()
-        ms = (time.perf_counter() - start) * 1e3 / steps
+            times.append((time.perf_counter() - start) * 1e3)
+        ms = statistics.median(times)  # one disturbed step does not move it
     finally:
         for rid in ids:
             engine.abort(rid)

@@ -32,10 +32,10 @@ class Grid:
 FULL = Grid(
     prefill_lengths=(128, 256, 512, 1024, 2048),
     cached_fractions=(0.0, 0.5, 0.9),
-    prefill_repeats=2,
+    prefill_repeats=3,
     decode_batches=(1, 4, 8, 16, 32),
     decode_contexts=(256, 1024, 2048),
-    decode_steps=4,
+    decode_steps=5,
     transfer_mib=(1, 4, 16, 64),
     transfer_repeats=3,
 )
@@ -46,7 +46,7 @@ QUICK = Grid(
     prefill_repeats=1,
     decode_batches=(1, 8, 32),
     decode_contexts=(256, 1024),
-    decode_steps=2,
+    decode_steps=3,
     transfer_mib=(1, 16),
     transfer_repeats=2,
 )

@@ -11,6 +11,7 @@ floor no fleet size can beat) and ITL p99 within `ITL_SLO_FACTOR` of a lone sequ
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ def run_bench(
     from services.bench.report import machine_info, print_table, write_json
 
     profile, used_path = load_profile_or_default(profile_path)
+    load_before = os.getloadavg()
     report: dict = {
         "profile": profile_summary(profile, used_path),
         "targets": {"requests_per_s_simulated": RPS_TARGET, "sim_vs_live_p50_error": ERROR_TARGET},
@@ -105,6 +107,7 @@ def run_bench(
     if live:
         _live(report, originals, profile, live_requests)
     report["machine"] = machine_info()
+    report["loadavg_before_after"] = [load_before, os.getloadavg()]
     rows = []
     for key, r in report["traces"].items():
         rows.append(

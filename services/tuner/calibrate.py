@@ -9,9 +9,9 @@ speed factor. The shapes (how cost grows with length, batch and context) stay th
 
 One more thing is particular to a local stack: its prefill and decode replicas share the
 machine's cores, so a prefill runs slower while the decode replica is busy (about 2x here),
-which a fleet of separate accelerators does not do. Probes sent while a long decode stream
-runs measure that slowdown; the live check applies it in proportion to how busy the
-simulated decode replica is (`interference`).
+which a fleet of separate accelerators does not do, and a decode step slows while a prompt
+prefills. Probes sent while a long reply streams measure both; the live check applies each
+in proportion to how busy the simulated neighbour replica is (`validate.compare_anchored`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ import asyncio
 import contextlib
 import random
 import statistics
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 
 import httpx
 import numpy as np
 
 from services.profiler.costmodel import ReplicaProfile
 from services.profiler.fit import nnls
-from services.tuner.validate_client import stream_completion
+from services.tuner.validate_client import collect_token_times, stream_completion
 
 ALONE_LENGTHS = (32, 256, 1024)
 BUSY_LENGTHS = (128, 512)
@@ -40,6 +41,8 @@ class Probe:
     ttft_ms: float
     itl_p50_ms: float
     neighbour_busy: bool  # a decode stream was running on the other replica meanwhile
+    # That stream's median gap while this prompt prefilled, over its median gap before.
+    neighbour_slowdown: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Anchoring:
     serving_overhead_ms: float
     decode_factor: float
     busy_prefill_slowdown: float  # prefill time with the decode replica busy / without
+    busy_decode_slowdown: float  # decode step with the prefill replica busy / without
 
     def report(self) -> dict:
         out = asdict(self)
@@ -85,16 +89,29 @@ class Prober:
             for length in ALONE_LENGTHS:
                 probes.append(await self._one(client, length, busy=False))
             for length in BUSY_LENGTHS:
-                # A long reply keeps the decode replica stepping for the whole probe.
-                neighbour = asyncio.create_task(
-                    stream_completion(client, self.url, self._body(32, 4000))
-                )
-                await asyncio.sleep(0.5)
-                probes.append(await self._one(client, length, busy=True))
-                neighbour.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await neighbour
+                probes.append(await self._beside_a_decode(client, length))
         return probes
+
+    async def _beside_a_decode(self, client: httpx.AsyncClient, length: int) -> Probe:
+        """A prompt prefilled while a long reply streams from the decode replica: how much
+        each slows the other down."""
+        times: list[float] = []
+        body = self._body(32, 4000)
+        neighbour = asyncio.create_task(collect_token_times(client, self.url, body, times))
+        await asyncio.sleep(1.0)
+        start = time.perf_counter()
+        probe = await self._one(client, length, busy=True)
+        end = start + probe.ttft_ms / 1e3
+        neighbour.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await neighbour
+        gaps = [(b - a, b) for a, b in zip(times, times[1:], strict=False)]
+        before = [g for g, at in gaps if at < start]
+        during = [g for g, at in gaps if start < at <= end]
+        slowdown = None
+        if len(before) >= 3 and during:
+            slowdown = statistics.median(during) / statistics.median(before)
+        return replace(probe, neighbour_slowdown=slowdown)
 
 
 def probe(base_url: str, model: str, vocab_size: int, seed: int) -> list[Probe]:
@@ -125,4 +142,6 @@ def anchor(profile: ReplicaProfile, probes: list[Probe]) -> Anchoring:
             for p in busy
         ]
         slowdown = max(1.0, float(np.median(ratios)))
-    return Anchoring(anchored, float(a), float(b), c, slowdown)
+    neighbour = [p.neighbour_slowdown for p in busy if p.neighbour_slowdown is not None]
+    decode_slowdown = max(1.0, float(np.median(neighbour))) if neighbour else 1.0
+    return Anchoring(anchored, float(a), float(b), c, slowdown, decode_slowdown)

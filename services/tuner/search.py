@@ -11,6 +11,7 @@ within the replica limit meets the SLO, the closest configuration simulated is r
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -70,7 +71,9 @@ class Evaluator:
         if key in self.cache:
             return self.cache[key]
         fleet = replace(self.fleet, prefill_replicas=prefill, decode_replicas=decode)
-        result = simulate(self.trace, self.profile, fleet, self.priorities)
+        result = simulate(
+            self.trace, self.profile, fleet, self.priorities, self._progress(fleet.ratio)
+        )
         self.requests_simulated += result.requests
         self.wall_s += result.wall_s
         latency = result.latency(self.slo_tiers)
@@ -92,6 +95,20 @@ class Evaluator:
             f"{result.requests_per_s_simulated:,.0f}/s)"
         )
         return ev
+
+    def _progress(self, ratio: str) -> Callable[[int, int], None]:
+        """Within one replay, a line every few seconds (most replays take less than one)."""
+        started = time.perf_counter()
+        last = [started]
+
+        def report(done: int, total: int) -> None:
+            now = time.perf_counter()
+            if now - last[0] >= 3.0:
+                last[0] = now
+                rate = done / (now - started)
+                self.log(f"{ratio:>7}: {done:,}/{total:,} requests ({rate:,.0f}/s)")
+
+        return report
 
 
 def _ms(value: float | None) -> str:

@@ -138,27 +138,34 @@ async def warm_up(base_url: str, model: str, vocab_size: int) -> None:
 
 def compare(sl: LiveSlice, timings: list[RequestTiming], profile: ReplicaProfile) -> dict:
     live = summarize(timings)
-    sim = simulate(sl.trace, profile, FleetConfig(1, 1))
-    return _errors(live, sim.latency()) | {
-        "decode_utilization": sim.summary()["decode_utilization"]
+    result = simulate(sl.trace, profile, FleetConfig(1, 1))
+    sim = result.summary()
+    busy = {k: sim[k] for k in ("prefill_utilization", "decode_utilization")}
+    per_request = {
+        "live_ttft_ms": [t.ttft_ms for t in timings],
+        "sim_ttft_ms": result.ttft_ms.tolist(),
     }
+    return _errors(live, sim) | busy | {"per_request": per_request}
 
 
 def compare_anchored(sl: LiveSlice, timings: list[RequestTiming], anchoring: Anchoring) -> dict:
-    """With the anchored profile, its prefill slowed in proportion to how busy the simulated
-    decode replica is (the two share this machine's cores; see `calibrate`)."""
-    undisturbed = compare(sl, timings, anchoring.profile)
-    busy = undisturbed["decode_utilization"]
-    factor = 1.0 + busy * (anchoring.busy_prefill_slowdown - 1.0)
-    p = anchoring.profile
-    slowed = p.rescaled(factor, 1.0, p.serving_overhead_ms)
-    result = compare(sl, timings, slowed)
-    result["interference"] = {"decode_utilization": busy, "prefill_factor": factor}
+    """With the anchored profile, each replica slowed in proportion to how busy the other
+    is in the simulation (the two share this machine's cores; see `calibrate`). Busier
+    replicas slow each other more, which keeps them busy longer: a few rounds settle it."""
+    base = anchoring.profile
+    prefill_factor = decode_factor = 1.0
+    for _ in range(4):
+        profile = base.rescaled(prefill_factor, decode_factor, base.serving_overhead_ms)
+        result = compare(sl, timings, profile)
+        result["interference"] = {"prefill_factor": prefill_factor, "decode_factor": decode_factor}
+        busy_p, busy_d = result["prefill_utilization"], result["decode_utilization"]
+        prefill_factor = 1.0 + busy_d * (anchoring.busy_prefill_slowdown - 1.0)
+        decode_factor = 1.0 + busy_p * (anchoring.busy_decode_slowdown - 1.0)
     return result
 
 
 def _errors(live: dict, sim: dict) -> dict:
-    out = {"live": live, "sim": sim}
+    out = {"live": live, "sim": {k: v for k, v in sim.items() if k.startswith(("ttft", "itl"))}}
     for key in ("ttft_p50_ms", "itl_p50_ms"):
         name = f"sim_vs_live_{key.removesuffix('_ms')}_error"
         out[name] = abs(sim[key] - live[key]) / live[key] if live[key] and sim[key] else None

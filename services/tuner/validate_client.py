@@ -42,3 +42,19 @@ async def stream_completion(
         timing.error = f"{type(exc).__name__}: {exc}"
     timing.e2e_ms = (time.perf_counter() - start) * 1e3
     return timing
+
+
+async def collect_token_times(
+    client: httpx.AsyncClient, url: str, body: dict, times: list[float]
+) -> None:
+    """Append the perf_counter time of every text-carrying token to `times` as it arrives
+    (the list keeps what came before a cancellation)."""
+    async with client.stream("POST", url, json=body, timeout=600.0) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if any(choice.get("text") for choice in data.get("choices", [])):
+                times.append(time.perf_counter())

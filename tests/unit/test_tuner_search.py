@@ -159,3 +159,18 @@ def test_tune_command_says_when_the_slo_cannot_be_met(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "no prefill:decode split of up to 4 replicas meets" in printed
     assert "does NOT meet the SLO" in printed
+
+
+def test_tier_mixes_parse_and_assign_priorities_in_proportion():
+    from services.tuner.fleet import assign_priorities, parse_tier_mix
+
+    assert parse_tier_mix("batch") == {"batch": 1.0}
+    mix = parse_tier_mix("priority=1,default=3")
+    assert mix == {"priority": 0.25, "default": 0.75}
+    priorities = assign_priorities(20_000, mix, seed=1)
+    assert set(priorities.tolist()) == {0, 1}
+    assert abs((priorities == 0).mean() - 0.25) < 0.02
+    with pytest.raises(ValueError, match="TIER=FRACTION with TIER one of priority"):
+        parse_tier_mix("gold=1")
+    with pytest.raises(ValueError, match="sum to a positive"):
+        parse_tier_mix("batch=0")

@@ -71,12 +71,14 @@ def test_anchoring_recovers_speed_overhead_and_a_busy_neighbours_cost():
         Probe(n, first_token(n, 1.5), 1.2 * profile.decode.step(1, n + 7), False)
         for n in (32, 256, 1024)
     ]
-    busy = [Probe(n, first_token(n, 3.0), 0.0, True) for n in (128, 512)]
+    # ... while a decode step takes 1.4x longer when a prompt prefills beside it.
+    busy = [Probe(n, first_token(n, 3.0), 0.0, True, s) for n, s in ((128, 1.3), (512, 1.5))]
     result = anchor(profile, alone + busy)
     assert result.prefill_factor == pytest.approx(1.5, rel=1e-6)
     assert result.serving_overhead_ms == pytest.approx(20.0, rel=1e-6)
     assert result.decode_factor == pytest.approx(1.2, rel=1e-6)
     assert result.busy_prefill_slowdown == pytest.approx(2.0, rel=1e-6)
+    assert result.busy_decode_slowdown == pytest.approx(1.4, rel=1e-6)
     anchored = result.profile
     assert anchored.prefill_ms(300) == pytest.approx(1.5 * profile.prefill_ms(300))
     assert anchored.serving_overhead_ms == pytest.approx(20.0)
