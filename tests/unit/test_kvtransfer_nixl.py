@@ -105,10 +105,7 @@ def test_sender_abort_reaches_the_receiver_as_a_stop(pair):
     assert state in ("failed", "done")
     # The abort races a two-block write on loopback: if the write already completed, the
     # sender's outcome is DONE; either way its blocks are released exactly once.
-    sender = prefill.releases()["stop"]
-    assert sender in (["aborted"], ["done"])
-    if sender == ["aborted"]:
-        assert state in ("failed", "done")
+    assert prefill.releases()["stop"] in (["aborted"], ["done"])
     assert decode.releases()["stop"] == [state]
 
 
