@@ -11,7 +11,14 @@ import time
 import grpc
 import httpx
 
-from services.bench.load import RequestTiming, filler_text, percentile, stream_chat, summarize
+from services.bench.load import (
+    RequestTiming,
+    filler_text,
+    percentile,
+    stream_chat,
+    summarize,
+    timing_samples,
+)
 from services.launcher import start_local_stack
 from services.worker.convert import params_to_proto
 from shared.config.schema import parse_config
@@ -185,6 +192,7 @@ def run(
                 )
             )
             summary = summarize(timings)
+            result.setdefault("samples", {})[mode] = timing_samples(timings)
             summary["short"] = summarize(timings, "short")
             summary["long"] = summarize(timings, "long")
             summary.update(asyncio.run(_overhead(stack, tokenizer)))

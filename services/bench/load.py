@@ -6,6 +6,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -88,3 +89,12 @@ def filler_text(n_words: int, seed: int) -> str:
         "river garden window music quiet morning letter travel dinner friend story city light"
     ).split()
     return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+def timing_samples(timings: Iterable[RequestTiming]) -> dict[str, list[float]]:
+    """A `samples` entry from the load generator's per-request timings (errors left out)."""
+    ok = [t for t in timings if t.error is None]
+    return {
+        "ttft_ms": [t.ttft_ms for t in ok if t.ttft_ms is not None],
+        "itl_ms": [x for t in ok for x in t.itl_ms],
+    }

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from services.bench.load import RequestTiming, filler_text, percentile, stream_chat
-from services.bench.plots import timing_samples
+from services.bench.load import RequestTiming, filler_text, percentile, stream_chat, timing_samples
 from services.bench.span_cost import span_cost_ms
 from services.launcher import LocalStack, start_local_stack
 from shared.config.schema import parse_config

@@ -11,7 +11,13 @@ returns the files it wrote. It reads these keys of a bench result (any subset):
 - `acceptance_histogram`: {accepted draft tokens: count} (or a list of per-step accepted
   counts) -> the speculative-decoding acceptance histogram;
 - `backends`: {name: {"gb_s_1mib": ..., "gb_s_16mib": ...}} with `memcpy_gb_s` -> transfer
-  bandwidth against message size, memcpy drawn as the limit.
+  bandwidth against message size, memcpy drawn as the limit;
+- `split_kv_verify`: {"b<B>_ctx<C>": {"speedup": ...}} -> split-KV verify speedup against
+  context, one line per batch size;
+- `kernels` with `spec_hbm_gb_s` (GPU), or `cpu.torch_reference` with `cpu.read_gb_s` ->
+  each kernel's GB/s as bars beside the bandwidth limit;
+- `traces`: {name: {"evaluations": [{"prefill_replicas", "decode_replicas", "ttft_p99_ms",
+  "itl_p99_ms"}], "slo": {...}}} (the tuner) -> p99 latency of every fleet size it tried.
 
 Figures are drawn with matplotlib's object API on the Agg canvas: no pyplot, no global
 backend switch, safe in a process that serves requests.
@@ -21,27 +27,18 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from services.bench.load import RequestTiming
+from services.bench.load import timing_samples  # noqa: F401  (re-exported for callers)
 
 _DPI = 110
 _SIZE_KEY = re.compile(r"^gb_s_(\d+)mib$")
 _BATCH_KEY = re.compile(r"^decode_tok_s_b(\d+)$")
-
-
-def timing_samples(timings: Iterable[RequestTiming]) -> dict[str, list[float]]:
-    """A `samples` entry from the load generator's per-request timings (errors left out)."""
-    ok = [t for t in timings if t.error is None]
-    return {
-        "ttft_ms": [t.ttft_ms for t in ok if t.ttft_ms is not None],
-        "itl_ms": [x for t in ok for x in t.itl_ms],
-    }
+_SPLIT_KEY = re.compile(r"^b(\d+)_ctx(\d+)$")
 
 
 def write_plots(kind: str, result: dict[str, Any], directory: str | Path) -> list[Path]:
@@ -70,6 +67,22 @@ def write_plots(kind: str, result: dict[str, Any], directory: str | Path) -> lis
         path = out / f"{kind}_transfer_bandwidth.png"
         _save(_bandwidth_figure(bandwidth, result.get("memcpy_gb_s"), kind), path)
         written.append(path)
+    speedups = _split_speedups(result.get("split_kv_verify"))
+    if speedups:
+        path = out / f"{kind}_split_kv_verify_speedup.png"
+        _save(_speedup_figure(speedups, kind), path)
+        written.append(path)
+    kernel_rates, limit = _kernel_rates(result)
+    if kernel_rates:
+        path = out / f"{kind}_kernel_bandwidth.png"
+        _save(_rate_bars(kernel_rates, limit, f"{kind}: achieved GB/s per kernel"), path)
+        written.append(path)
+    for name, trace in (result.get("traces") or {}).items():
+        points = _evaluations(trace)
+        if points:
+            path = out / f"{kind}_{_slug(name)}_fleet_sizes.png"
+            _save(_fleet_figure(points, trace.get("slo") or {}, f"{kind}: {name}"), path)
+            written.append(path)
     return written
 
 
@@ -114,6 +127,51 @@ def _bandwidth(result: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
         if points:
             lines[name] = sorted(points)
     return lines
+
+
+def _split_speedups(raw: Any) -> dict[str, list[tuple[int, float]]]:
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for key, figures in (raw or {}).items():
+        m = _SPLIT_KEY.match(str(key))
+        if m and isinstance(figures, dict) and isinstance(figures.get("speedup"), int | float):
+            lines.setdefault(f"batch {m.group(1)}", []).append(
+                (int(m.group(2)), float(figures["speedup"]))
+            )
+    return {label: sorted(points) for label, points in lines.items()}
+
+
+def _kernel_rates(result: dict[str, Any]) -> tuple[dict[str, float], float | None]:
+    """Per-kernel GB/s and the limit they are read against (HBM spec, or this CPU's reads)."""
+    if isinstance(result.get("kernels"), dict):
+        figures, limit = result["kernels"], result.get("spec_hbm_gb_s")
+    elif isinstance(result.get("cpu"), dict):
+        figures, limit = result["cpu"].get("torch_reference") or {}, result["cpu"].get("read_gb_s")
+    else:
+        return {}, None
+    rates = {
+        label: float(f["gb_s"])
+        for label, f in figures.items()
+        if isinstance(f, dict) and isinstance(f.get("gb_s"), int | float)
+    }
+    return rates, float(limit) if isinstance(limit, int | float) else None
+
+
+def _evaluations(trace: Any) -> list[tuple[int, float | None, float | None]]:
+    if not isinstance(trace, dict):
+        return []
+    return [
+        (
+            int(e["prefill_replicas"]) + int(e["decode_replicas"]),
+            e.get("ttft_p99_ms"),
+            e.get("itl_p99_ms"),
+        )
+        for e in trace.get("evaluations") or []
+        if isinstance(e, dict) and "prefill_replicas" in e and "decode_replicas" in e
+    ]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "trace"
 
 
 # -- drawing ------------------------------------------------------------------------------
@@ -185,5 +243,50 @@ def _bandwidth_figure(
     ax.set_xlabel("message size (MiB)")
     ax.set_ylabel("GB/s")
     ax.set_xscale("log", base=2)
+    ax.legend()
+    return fig
+
+
+def _speedup_figure(lines: dict[str, list[tuple[int, float]]], kind: str) -> Figure:
+    fig, ax = _figure()
+    for label, points in sorted(lines.items()):
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.axhline(1.0, linestyle="--", color="gray", label="unsplit kernel")
+    ax.set_title(f"{kind}: split-KV verify speedup over the unsplit kernel")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("speedup (x)")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    return fig
+
+
+def _rate_bars(rates: dict[str, float], limit: float | None, title: str) -> Figure:
+    fig, ax = _figure()
+    labels = sorted(rates)
+    ax.barh(labels, [rates[k] for k in labels])
+    if limit:
+        ax.axvline(limit, linestyle="--", color="gray", label=f"limit {limit:.0f} GB/s")
+        ax.legend()
+    ax.set_title(title)
+    ax.set_xlabel("GB/s")
+    return fig
+
+
+def _fleet_figure(
+    points: list[tuple[int, float | None, float | None]], slo: dict[str, Any], title: str
+) -> Figure:
+    fig, ax = _figure()
+    for index, (metric, marker) in enumerate((("ttft_p99_ms", "o"), ("itl_p99_ms", "s"))):
+        xs = [p[0] for p in points if p[1 + index] is not None]
+        ys = [p[1 + index] for p in points if p[1 + index] is not None]
+        if xs:
+            line = ax.scatter(xs, ys, marker=marker, label=metric)
+            target = slo.get(metric)
+            if isinstance(target, int | float):
+                ax.axhline(target, linestyle="--", color=line.get_facecolor()[0], alpha=0.7)
+    ax.set_title(f"{title}: p99 latency of each fleet size tried (dashed: SLO)")
+    ax.set_xlabel("replicas (prefill + decode)")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
     ax.legend()
     return fig

@@ -29,6 +29,16 @@ def write_json(path: str | None, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def save_outputs(kind: str, result: dict, json_path: str | None, plot_dir: str | None) -> None:
+    """The JSON, and with `--plot DIR` the figures drawn from it (services/bench/plots.py)."""
+    write_json(json_path, result)
+    if plot_dir:
+        from services.bench.plots import write_plots  # matplotlib: only when asked for
+
+        for path in write_plots(kind, result, plot_dir):
+            print(f"wrote {path}")
+
+
 def print_table(title: str, rows: list[tuple[str, object, object, object]]) -> None:
     """rows: (metric, ours, reference, ratio) — reference is the peer or the physical limit."""
     print(f"\n{title}")

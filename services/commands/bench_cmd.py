@@ -33,6 +33,13 @@ def add_command(sub) -> None:
 
     for module in _BENCH_MODULES:
         importlib.import_module(module).add_bench(kinds)
+    # Every benchmark draws its figures on request; those that register --plot themselves
+    # keep their own help text.
+    for parser in kinds.choices.values():
+        if not any("--plot" in action.option_strings for action in parser._actions):
+            parser.add_argument(
+                "--plot", default=None, metavar="DIR", help="write PNG figures here"
+            )
 
 
 # Benchmarks that live with their subsystem; each module has add_bench(kinds).
@@ -45,7 +52,7 @@ _BENCH_MODULES = [
 
 def run_engine(args: argparse.Namespace) -> int:
     from services.bench import engine_bench
-    from services.bench.report import machine_info, print_table, write_json
+    from services.bench.report import machine_info, print_table, save_outputs
 
     threads = args.threads or 2
     result = engine_bench.run(args.weights, args.model, threads, quick=args.quick)
@@ -54,13 +61,13 @@ def run_engine(args: argparse.Namespace) -> int:
         f"splitserve bench engine (weights={args.weights}, threads={threads})",
         engine_bench.table_rows(result),
     )
-    write_json(args.json, result)
+    save_outputs("engine", result, args.json, args.plot)
     return 0
 
 
 def run_disagg(args: argparse.Namespace) -> int:
     from services.bench import disagg_bench
-    from services.bench.report import machine_info, print_table, write_json
+    from services.bench.report import machine_info, print_table, save_outputs
 
     result = disagg_bench.run(
         weights=args.weights,
@@ -74,12 +81,12 @@ def run_disagg(args: argparse.Namespace) -> int:
         disagg_bench.table_rows(result),
     )
     print(f"itl_p99_ratio = {result['itl_p99_ratio']}")
-    write_json(args.json, result)
+    save_outputs("disagg", result, args.json, args.plot)
     return 0
 
 
 def run_transfer(args: argparse.Namespace) -> int:
-    from services.bench.report import machine_info, print_table, write_json
+    from services.bench.report import machine_info, print_table, save_outputs
     from services.kvtransfer.bench import run_transfer_bench
 
     backends = tuple(b for b in args.backends.split(",") if b)
@@ -94,5 +101,5 @@ def run_transfer(args: argparse.Namespace) -> int:
         for key in ("gb_s_1mib", "gb_s_16mib", "gb_s_64mib", "gb_s_256mib"):
             rows.append((f"{name} {key}", figures[key], memcpy, figures[key] / memcpy))
     print_table("splitserve bench transfer (GB/s vs memcpy in the same run)", rows)
-    write_json(args.json, result)
+    save_outputs("transfer", result, args.json, args.plot)
     return 0

@@ -17,7 +17,7 @@ def add_bench(kinds) -> None:
 
 def run_kernels(args: argparse.Namespace) -> int:
     from services.bench import kernels_bench
-    from services.bench.report import machine_info, print_table, write_json
+    from services.bench.report import machine_info, print_table, save_outputs
 
     result = kernels_bench.run(quick=args.quick)
     result["machine"] = machine_info()
@@ -27,5 +27,5 @@ def run_kernels(args: argparse.Namespace) -> int:
         print("splitserve bench kernels: the Triton kernels need a CUDA GPU; none is visible.")
         title = "torch reference path on this CPU, small shapes (GB/s vs measured read rate)"
     print_table(title, kernels_bench.table_rows(result))
-    write_json(args.json, result)
+    save_outputs("kernels", result, args.json, args.plot)
     return 0

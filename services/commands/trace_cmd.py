@@ -105,7 +105,7 @@ def run_trace(args: argparse.Namespace) -> int:
 
 def run_overhead(args: argparse.Namespace) -> int:
     from services.bench import overhead_bench
-    from services.bench.report import machine_info, print_table, write_json
+    from services.bench.report import machine_info, print_table, save_outputs
 
     result = overhead_bench.run(
         weights=args.weights,
@@ -121,10 +121,5 @@ def run_overhead(args: argparse.Namespace) -> int:
     )
     print(f"tracing_throughput_ratio = {result['tracing_throughput_ratio']}")
     print(f"tracing_ttft_p50_delta_ms = {result['tracing_ttft_p50_delta_ms']}")
-    if args.plot:
-        from services.bench.plots import write_plots
-
-        for path in write_plots("overhead", result, args.plot):
-            print(f"wrote {path}")
-    write_json(args.json, result)
+    save_outputs("overhead", result, args.json, args.plot)
     return 0

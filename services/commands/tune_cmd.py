@@ -142,6 +142,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
             live=not args.no_live,
             live_requests=args.live_requests,
             json_path=args.json,
+            plot_dir=args.plot,
         )
     except ValueError as exc:
         return fail(str(exc))

@@ -66,9 +66,13 @@ def bench_slo(trace: Trace, profile: ReplicaProfile) -> SLO:
 
 
 def run_bench(
-    profile_path: str | None, live: bool, live_requests: int, json_path: str | None
+    profile_path: str | None,
+    live: bool,
+    live_requests: int,
+    json_path: str | None,
+    plot_dir: str | None = None,
 ) -> int:
-    from services.bench.report import machine_info, print_table, write_json
+    from services.bench.report import machine_info, print_table, save_outputs
 
     profile, used_path = load_profile_or_default(profile_path)
     load_before = os.getloadavg()
@@ -123,7 +127,7 @@ def run_bench(
             err = r[f"sim_vs_live_{k}_p50_error"]
             rows.append((f"{key} sim vs live {k} p50 err", err, ERROR_TARGET, None))
     print_table("splitserve bench tune (ours vs target)", rows)
-    write_json(json_path, report)
+    save_outputs("tune", report, json_path, plot_dir)
     return 0
 
 

@@ -62,3 +62,50 @@ def test_timing_samples_and_acceptance_lists(tmp_path):
     assert timing_samples(timings) == {"ttft_ms": [50.0], "itl_ms": [10.0, 12.0]}
     (path,) = write_plots("x", {"acceptance_histogram": [0, 2, 2, 3]}, tmp_path)
     assert path.name == "x_acceptance_histogram.png"
+
+
+def test_kernel_results_draw_speedups_and_bandwidth(tmp_path):
+    gpu = {
+        "split_kv_verify": {
+            "b1_ctx1024": {"speedup": 2.5},
+            "b1_ctx8192": {"speedup": 6.0},
+            "b8_ctx1024": {"speedup": 1.1},
+        },
+        "kernels": {"decode_b32_ctx4k": {"gb_s": 3100.0}, "write_kv": {"gb_s": 900.0}},
+        "spec_hbm_gb_s": 4800.0,
+    }
+    names = sorted(p.name for p in write_plots("kernels", gpu, tmp_path / "gpu"))
+    assert names == ["kernels_kernel_bandwidth.png", "kernels_split_kv_verify_speedup.png"]
+    cpu = {"cpu": {"read_gb_s": 12.0, "torch_reference": {"decode_b4_ctx1k": {"gb_s": 3.0}}}}
+    (path,) = write_plots("kernels", cpu, tmp_path / "cpu")
+    assert path.name == "kernels_kernel_bandwidth.png"
+    _png_size(path)
+
+
+def test_tuner_results_draw_each_fleet_size_tried(tmp_path):
+    evaluations = [
+        {"prefill_replicas": p, "decode_replicas": d, "ttft_p99_ms": t, "itl_p99_ms": i}
+        for p, d, t, i in ((1, 1, 9000.0, 80.0), (2, 1, 2500.0, 85.0), (2, 2, 2400.0, 40.0))
+    ]
+    result = {
+        "traces": {"mooncake conv": {"evaluations": evaluations, "slo": {"ttft_p99_ms": 3000}}}
+    }
+    (path,) = write_plots("tune", result, tmp_path)
+    assert path.name == "tune_mooncake_conv_fleet_sizes.png"
+    _png_size(path)
+
+
+def test_every_bench_command_takes_plot():
+    import argparse
+
+    from services.commands import bench_cmd
+
+    parser = argparse.ArgumentParser()
+    bench_cmd.add_command(parser.add_subparsers())
+    (bench,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    kinds = next(
+        a for a in bench.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    assert {"engine", "disagg", "transfer", "kernels", "overhead", "tune"} <= set(kinds.choices)
+    for name, sub in kinds.choices.items():
+        assert any("--plot" in a.option_strings for a in sub._actions), name
