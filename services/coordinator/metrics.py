@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 # Latency buckets in seconds: TTFT spans queueing behind long prefills; ITL is per token.
@@ -91,11 +93,16 @@ class APIMetrics:
         self.completion_tokens.labels(model, tier).inc(completion)
 
     def count_outcome(
-        self, model: str, tier: str, status: int | str, metadata: dict[str, str]
+        self, model: str, tier: str, status: int | str, metadata: dict[str, Any]
     ) -> None:
-        """`metadata` is the response's: backends report `fallback_attempts` and
-        `migrations` there (absent means none)."""
-        fallbacks = _count_value(metadata.get("fallback_attempts"))
+        """`metadata` is the response's: `attempts` (one entry per model tried, so fallbacks
+        are all but the first; or a `fallback_attempts` count) and `migrations` (a list of
+        moves or a count); absent means none."""
+        attempts = metadata.get("attempts")
+        if isinstance(attempts, list) and attempts:
+            fallbacks = len(attempts) - 1
+        else:
+            fallbacks = _count_value(metadata.get("fallback_attempts"))
         attempt = min(1 + fallbacks, _MAX_ATTEMPT_LABEL)
         attempt_label = f"{attempt}+" if attempt == _MAX_ATTEMPT_LABEL else str(attempt)
         self.outcomes.labels(model, tier, outcome_of(status), attempt_label).inc()
@@ -119,8 +126,10 @@ def outcome_of(status: int | str) -> str:
     return str(status)  # stream_error
 
 
-def _count_value(value: str | None) -> int:
+def _count_value(value: Any) -> int:
+    if isinstance(value, list | tuple):
+        return len(value)
     try:
         return max(0, int(value)) if value is not None else 0
-    except ValueError:
+    except (TypeError, ValueError):
         return 0

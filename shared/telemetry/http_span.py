@@ -102,7 +102,7 @@ class RequestTrace:
         output_tokens: int,
         cached_tokens: int,
         finish_reasons: list[str],
-        metadata: Mapping[str, str],
+        metadata: Mapping[str, Any],
         outputs: list[str],
     ) -> None:
         if not self.span.is_recording():
@@ -120,6 +120,9 @@ class RequestTrace:
         for key, name in A.METADATA_ATTRIBUTES.items():
             if key in metadata:
                 self.span.set_attribute(name, _number(metadata[key]))
+        attempts = metadata.get("attempts")
+        if isinstance(attempts, list) and attempts:  # every model tried after the first
+            self.span.set_attribute(A.FALLBACK_ATTEMPTS, len(attempts) - 1)
         if self.capture_content:
             self.span.set_attribute(A.OUTPUT_MESSAGES, json.dumps(outputs, ensure_ascii=False))
 
@@ -147,8 +150,11 @@ class RequestTrace:
         self.span.end()
 
 
-def _number(value: str) -> int | str:
+def _number(value: Any) -> int | str:
+    """A count for a span attribute: lists (attempts, migrations) count their entries."""
+    if isinstance(value, list | tuple):
+        return len(value)
     try:
         return int(value)
-    except ValueError:
-        return value
+    except (TypeError, ValueError):
+        return str(value)
