@@ -45,6 +45,7 @@ def add_command(sub) -> None:
 # Benchmarks that live with their subsystem; each module has add_bench(kinds).
 _BENCH_MODULES = [
     "services.commands.kernels_cmd",
+    "services.commands.router_cmd",
     "services.commands.trace_cmd",
     "services.commands.tune_cmd",
 ]

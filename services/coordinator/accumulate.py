@@ -8,6 +8,8 @@ from typing import Any
 
 from services.coordinator.backend import GenerationChunk
 from services.coordinator.plan import Plan
+from services.coordinator.pricing import response_cost
+from shared.config.policy import Price
 from shared.engine.output import TokenLogprob
 
 
@@ -28,11 +30,13 @@ class ChoiceState:
 class ResponseState:
     """Per-choice accumulators, usage totals and the response's `metadata`."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, price: Price | None = None):
         self.plan = plan
+        self.price = price  # of the plan's tier; None = no `cost` in the metadata
         self.choices = [ChoiceState() for _ in plan.requests]
         self._replicas: list[str] = []
         self._extra: dict[str, Any] = {}
+        self._served_model: str | None = None
 
     def add(self, index: int, chunk: GenerationChunk) -> ChoiceState:
         state = self.choices[index]
@@ -53,8 +57,16 @@ class ResponseState:
         if chunk.replica and chunk.replica not in self._replicas:
             self._replicas.append(chunk.replica)
         if chunk.metadata:
-            self._extra.update(chunk.metadata)
+            extra = dict(chunk.metadata)
+            # The model that answered goes in the envelope's `model`, not in the metadata.
+            self._served_model = extra.pop("model", self._served_model)
+            self._extra.update(extra)
         return state
+
+    @property
+    def served_model(self) -> str:
+        """The model that answered: a fallback may have moved on from the one asked for."""
+        return self._served_model or self.plan.model.id
 
     @property
     def finished(self) -> bool:
@@ -87,6 +99,9 @@ class ResponseState:
             "service_tier": self.plan.tier,
         }
         merged.update(self._extra)
+        if self.price is not None and self.finished:
+            # Only once the usage is final: a partial cost on a first chunk would mislead.
+            merged["cost"] = response_cost(self.usage(), self.plan.tier, self.price)
         return {key: _as_string(value) for key, value in merged.items() if value is not None}
 
 

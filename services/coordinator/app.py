@@ -14,7 +14,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.coordinator.auth import check_api_key
 from services.coordinator.backend import GenerationBackend, ModelInfo
 from services.coordinator.errors import (
     INVALID_REQUEST,
@@ -22,7 +21,8 @@ from services.coordinator.errors import (
     APIError,
     error_body,
 )
-from services.coordinator.handlers import GenerationHandler, error_response
+from services.coordinator.failures import error_response
+from services.coordinator.handlers import GenerationHandler
 from services.coordinator.metrics import APIMetrics
 from services.coordinator.settings import APISettings
 from shared.telemetry.tracing import Tracing
@@ -41,6 +41,7 @@ def create_app(
     if tracing is not None:
         tracing.register_metrics(metrics.registry)  # span drops are counted on /metrics
     handler = GenerationHandler(backend, settings, metrics, tracing)
+    keyring = settings.keyring
     app = FastAPI(title="splitserve coordinator", docs_url=None, redoc_url=None)
     app.state.backend = backend
     app.state.settings = settings
@@ -77,12 +78,12 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        check_api_key(request, settings.api_keys)
+        keyring.authenticate(request)
         return JSONResponse({"object": "list", "data": [_model_card(m) for m in backend.models()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> JSONResponse:
-        check_api_key(request, settings.api_keys)
+        keyring.authenticate(request)
         for info in backend.models():
             if info.id == model_id:
                 return JSONResponse(_model_card(info))

@@ -1,9 +1,9 @@
 """The production backend: routes each request to a (prefill, decode) pair of worker
 processes over gRPC and turns their token ids into text here, where stop strings live.
 
-Disaggregated: Prefill on the prefill replica (which pushes the KV to the chosen decode
-replica) yields the first token at once; Decode on the decode replica streams the rest.
-Colocated (`both` replicas only): one Decode call that prefills locally.
+One `PairAttempt` serves the request on one pair. If a replica of the pair dies mid-stream,
+the request migrates: the prompt plus the tokens already streamed go to a freshly routed pair
+and the same stream continues (see `migration`), up to `max_migrations` times.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from services.coordinator.affinity import ConversationAffinity
 from services.coordinator.backend import (
     BackendError,
     BackendRequestError,
@@ -25,24 +26,20 @@ from services.coordinator.backend import (
     GenerationRequest,
     ModelInfo,
 )
+from services.coordinator.migration import DEFAULT_MAX_MIGRATIONS, ReplicaLost, StreamProgress
+from services.coordinator.pair_attempt import PairAttempt, Piece
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
-from services.worker.convert import (
-    logprob_from_proto,
-    params_to_proto,
-    prompt_logprobs_from_proto,
-)
+from services.worker.convert import params_to_proto
 from shared.engine.output import TextTracker
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
-from shared.telemetry.rpc_spans import RpcSpan, describe_route
+from shared.telemetry.rpc_spans import describe_route
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
-
-_DEAD_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 
 class GrpcBackend:
@@ -52,12 +49,19 @@ class GrpcBackend:
         models: list[ModelInfo],
         transfer_deadline_s: float,
         tracer: trace.Tracer | None = None,
+        *,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ):
+        if max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
         self.registry = registry
         self._tracer = tracer or trace.NoOpTracer()
         self._models = {m.id: m for m in models}
         self.transfer_deadline_s = transfer_deadline_s
+        self.max_migrations = max_migrations
+        self.affinity = ConversationAffinity(registry.config.block_size)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task] = set()
 
     def models(self) -> list[ModelInfo]:
         return list(self._models.values())
@@ -83,190 +87,188 @@ class GrpcBackend:
         return pb_grpc.WorkerStub(channel)
 
     async def close(self) -> None:
+        if self._background:  # aborts still on their way out
+            await asyncio.wait(self._background, timeout=2.0)
         for channel in self._channels.values():
             await channel.close()
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        info = self._models.get(req.model)
-        if info is None:
-            raise BackendRequestError("model", f"model '{req.model}' is not served here")
+    def _route(
+        self, req: GenerationRequest, prompt: list[int], exclude: set[str]
+    ) -> RoutingDecision | None:
         with self._tracer.start_as_current_span(A.SPAN_ROUTE) as span:
-            decision = choose_pair(self.registry, req.model)
+            decision = choose_pair(
+                self.registry,
+                req.model,
+                prompt_token_ids=prompt,
+                previous_decode=self.affinity.previous(req.user, req.prompt_token_ids),
+                exclude=frozenset(exclude),
+            )
             describe_route(
                 span,
                 decision.prefill.worker_id if decision and decision.prefill else None,
                 decision.decode.worker_id if decision else None,
                 decision.reasoning if decision else [],
             )
+        return decision
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        info = self._models.get(req.model)
+        if info is None:
+            raise BackendRequestError("model", f"model '{req.model}' is not served here")
+        decision = self._route(req, req.prompt_token_ids, set())
         if decision is None:
             raise BackendUnavailable(
                 f"no healthy replica for model '{req.model}'", retry_after_s=1.0
             )
-        tracker = TextTracker(IncrementalDetokenizer(info.tokenizer), req.params.stop)
-        spec = pb.GenerateSpec(
-            request_id=req.request_id,
-            model=req.model,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=params_to_proto(req.params),
-            priority=req.priority,
-            prompt_logprobs=req.prompt_logprobs,
+        progress = StreamProgress(
+            req.request_id, list(req.prompt_token_ids), req.params, self.max_migrations
         )
-        # aclosing: the inner generator's cleanup (in-flight counts, cancelling the Decode
-        # call) must run when we stop, not whenever it is garbage-collected.
-        async with contextlib.aclosing(self._run(req, decision, spec, tracker)) as stream:
-            async for chunk in stream:
-                yield chunk
-                if chunk.finished:
-                    return
-
-    async def _run(
-        self, req, decision: RoutingDecision, spec, tracker
-    ) -> AsyncIterator[GenerationChunk]:
-        decode = decision.decode
-        first_token = None
-        prefill_cached = 0  # the decode replica did not compute the prompt: prefill's count
-        sent = 0
-        meta = {
-            "replica": decision.describe(),
-            "routing": decision.reasoning,
-            **current_trace_metadata(),
-        }
-        decode.in_flight += 1
-        if decision.prefill is not None:
-            decision.prefill.in_flight += 1
-        try:
-            if decision.prefill is not None:
-                prefill = decision.prefill
-                span = RpcSpan(
-                    self._tracer, A.SPAN_PREFILL, "Prefill", prefill.worker_id, prefill.address
-                )
-                try:
-                    resp = await self._stub(prefill).Prefill(
-                        pb.PrefillRequest(
-                            spec=spec,
-                            destination=pb.KVDestination(
-                                control_address=decode.address,
-                                agent_name=decode.transfer_agent,
-                                deadline_s=self.transfer_deadline_s,
-                            ),
-                        ),
-                        metadata=span.metadata,
-                    )
-                    span.record_prefill(resp)
-                except grpc.aio.AioRpcError as exc:
-                    span.fail(exc)
-                    raise self._failure(prefill, exc) from exc
-                finally:
-                    prefill.in_flight -= 1
-                    span.end()
-                first_token = resp.first_token
-                prefill_cached = resp.num_cached_tokens
-                meta["transfer"] = {
-                    "status": resp.transfer.status,
-                    "bytes": resp.transfer.nbytes,
-                    "seconds": resp.transfer.seconds,
-                    "backend": resp.transfer.backend,
-                }
-                chunk = self._chunk(
-                    tracker,
-                    [first_token],
-                    [logprob_from_proto(resp.logprob)] if resp.has_logprob else [],
-                    finished=resp.finished,
-                    reason=resp.finish_reason or None,
-                    prompt=resp.num_prompt_tokens,
-                    cached=resp.num_cached_tokens,
-                    outputs=1,
-                    replica=prefill.worker_id,
-                    meta=meta,
-                )
-                chunk.prompt_logprobs = prompt_logprobs_from_proto(resp.prompt_logprobs)
-                sent = 1
-                yield chunk
-                if chunk.finished:
-                    if resp.transfer.status == "done":  # the pushed KV is not needed now
-                        with contextlib.suppress(grpc.aio.AioRpcError):
-                            await self._stub(decode).Abort(
-                                pb.AbortRequest(request_id=req.request_id)
-                            )
-                    return
-            request = pb.DecodeRequest(
-                spec=spec, kv_transferred=first_token is not None, first_token=first_token or 0
+        stream = _ClientStream(
+            progress, TextTracker(IncrementalDetokenizer(info.tokenizer), req.params.stop)
+        )
+        meta = {"replica": decision.describe(), "routing": decision.reasoning}
+        meta.update(current_trace_metadata())
+        stream.pending_meta = meta
+        failed: set[str] = set()
+        while True:
+            attempt = PairAttempt(
+                self.registry,
+                self._stub,
+                self._tracer,
+                decision,
+                self._spec(req, progress),
+                self.transfer_deadline_s,
+                self._background,
             )
-            span = RpcSpan(self._tracer, A.SPAN_DECODE, "Decode", decode.worker_id, decode.address)
-            call = self._stub(decode).Decode(request, metadata=span.metadata)
             try:
-                async for msg in call:
-                    span.record_chunk(len(msg.token_ids), msg.finished, msg.num_output_tokens)
-                    chunk = self._chunk(
-                        tracker,
-                        list(msg.token_ids),
-                        [logprob_from_proto(lp) for lp in msg.logprobs],
-                        finished=msg.finished,
-                        reason=msg.finish_reason or None,
-                        prompt=msg.num_prompt_tokens,
-                        cached=msg.num_cached_tokens if msg.local_prefill else prefill_cached,
-                        outputs=msg.num_output_tokens,
-                        replica=decode.worker_id,
-                        meta=meta if sent == 0 else None,
+                # aclosing: the attempt's cleanup (in-flight counts, aborting the call on the
+                # replicas) must run when we stop, not whenever it is garbage-collected.
+                async with contextlib.aclosing(attempt.run()) as pieces:
+                    async for piece in pieces:
+                        chunk = stream.chunk(piece)
+                        yield chunk
+                        if chunk.finished:
+                            self.affinity.remember(
+                                req.user, req.prompt_token_ids, decision.decode.worker_id
+                            )
+                            return
+            except ReplicaLost as lost:
+                if progress.remaining_tokens <= 0:  # lost right after the last token
+                    yield stream.finish("length")
+                    return
+                failed.add(lost.worker_id)
+                decision = self._migrate(req, progress, decision, lost, failed)
+                if stream.pending_meta is not None:  # nothing streamed yet: name the new pair
+                    stream.pending_meta.update(
+                        replica=decision.describe(), routing=decision.reasoning
                     )
-                    if msg.prompt_logprobs:
-                        chunk.prompt_logprobs = prompt_logprobs_from_proto(msg.prompt_logprobs)
-                    sent += 1
-                    yield chunk
-                    if chunk.finished:
-                        return
-            except grpc.aio.AioRpcError as exc:
-                span.fail(exc)
-                raise self._failure(decode, exc) from exc
-            finally:
-                call.cancel()
-                span.end()
-            raise BackendError(
-                f"decode replica {decode.worker_id} ended the stream without finishing"
-            )
-        finally:
-            decode.in_flight -= 1
 
-    def _chunk(
+    def _migrate(
         self,
-        tracker: TextTracker,
-        tokens,
-        logprobs,
-        *,
-        finished,
-        reason,
-        prompt,
-        cached,
-        outputs,
-        replica,
-        meta,
-    ) -> GenerationChunk:
-        text, hit_stop = tracker.feed(tokens) if tokens else ("", False)
+        req: GenerationRequest,
+        progress: StreamProgress,
+        failed_pair: RoutingDecision,
+        lost: ReplicaLost,
+        failed: set[str],
+    ) -> RoutingDecision:
+        if not progress.can_migrate:
+            raise BackendError(progress.give_up_message(lost)) from lost
+        decision = self._route(req, progress.attempt_prompt(), failed)
+        if decision is None:
+            raise BackendError(
+                f"{progress.give_up_message(lost)} (no healthy replica pair left for '{req.model}')"
+            ) from lost
+        migration = progress.record(failed_pair.describe(), decision.describe(), lost.reason)
+        log.warning(
+            "request %s migrated from %s to %s after %d tokens: %s",
+            req.request_id,
+            migration.from_replica,
+            migration.to_replica,
+            migration.after_tokens,
+            lost.reason,
+        )
+        return decision
+
+    def _spec(self, req: GenerationRequest, progress: StreamProgress) -> pb.GenerateSpec:
+        return pb.GenerateSpec(
+            request_id=progress.attempt_request_id(),
+            model=req.model,
+            prompt_token_ids=progress.attempt_prompt(),
+            sampling=params_to_proto(progress.attempt_params()),
+            priority=req.priority,
+            # Prompt logprobs are the client's prompt's: asked of the attempt that starts it.
+            prompt_logprobs=req.prompt_logprobs and not progress.streamed,
+        )
+
+
+class _ClientStream:
+    """Turns pieces from successive attempts into the client's one stream: text through one
+    detokenizer and stop-string tracker, counters relative to the client's own prompt."""
+
+    def __init__(self, progress: StreamProgress, tracker: TextTracker):
+        self.progress = progress
+        self.tracker = tracker
+        self.pending_meta: dict[str, Any] | None = None  # goes on the next chunk
+        self._output_base = 0  # output tokens streamed before the current attempt
+        self._attempt = 0
+        # The attempt that streamed the first token: its prompt is the client's, so its cache
+        # hits, prompt logprobs and transfer are the ones to report (a continuation's are not).
+        self._origin: int | None = None
+        self._num_cached = 0
+        self._last_replica: str | None = None
+
+    def chunk(self, piece: Piece) -> GenerationChunk:
+        progress = self.progress
+        if progress.attempt != self._attempt:
+            self._attempt = progress.attempt
+            self._output_base = len(progress.streamed)
+        if self._origin is None:
+            self._origin = progress.attempt
+        origin = self._origin == progress.attempt
+        if origin:
+            self._num_cached = piece.num_cached_tokens
+        progress.streamed.extend(piece.token_ids)
+        meta = self.pending_meta
+        self.pending_meta = None
+        if piece.transfer is not None and origin:
+            meta = {**(meta or {}), "transfer": piece.transfer}
+        out = self._make(
+            piece.token_ids,
+            piece.finished,
+            piece.finish_reason,
+            self._output_base + piece.num_output_tokens,
+            piece.replica,
+            meta,
+        )
+        out.logprobs = piece.logprobs
+        if origin and piece.prompt_logprobs is not None:
+            out.prompt_logprobs = piece.prompt_logprobs
+        return out
+
+    def finish(self, reason: str) -> GenerationChunk:
+        n = len(self.progress.streamed)
+        return self._make([], True, reason, n, self._last_replica, None)
+
+    def _make(self, tokens, finished, reason, outputs, replica, meta) -> GenerationChunk:
+        text, hit_stop = self.tracker.feed(tokens) if tokens else ("", False)
         if hit_stop:
             finished, reason = True, "stop"
         elif finished:
-            text += tracker.finish()
+            text += self.tracker.finish()
+        if finished and self.progress.migrations:
+            meta = {**(meta or {}), "migrations": self.progress.metadata()}
+        self._last_replica = replica
         return GenerationChunk(
             token_ids=tokens,
             text=text,
-            logprobs=logprobs,
             finished=finished,
             finish_reason=reason if finished else None,
-            num_prompt_tokens=prompt,
-            num_cached_tokens=cached,
+            num_prompt_tokens=len(self.progress.prompt_token_ids),
+            num_cached_tokens=self._num_cached,
             num_output_tokens=outputs,
             replica=replica,
             metadata=meta,
         )
-
-    def _failure(self, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> Exception:
-        code = exc.code()
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            param, _, message = (exc.details() or "").partition(": ")
-            return BackendRequestError(param or "request", message or exc.details() or "")
-        if code in _DEAD_CODES:
-            self.registry.mark_dead(worker.worker_id, f"{code.name}: {exc.details()}")
-        return BackendError(f"replica {worker.worker_id} failed: {code.name}: {exc.details()}")
 
 
 async def reap_forever(registry: WorkerRegistry, interval_s: float) -> None:

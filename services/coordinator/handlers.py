@@ -17,22 +17,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.coordinator.accumulate import ResponseState
-from services.coordinator.auth import check_api_key
+from services.coordinator.admission import Admission, Ticket
 from services.coordinator.backend import (
     BackendError,
-    BackendRequestError,
-    BackendUnavailable,
     GenerationBackend,
     GenerationChunk,
-    ModelInfo,
 )
-from services.coordinator.errors import (
-    SERVER_ERROR,
-    APIError,
-    bad_request,
-    from_validation_error,
-    unavailable,
-)
+from services.coordinator.errors import APIError, from_validation_error
+from services.coordinator.failures import backend_api_error, error_response
+from services.coordinator.fallback import FallbackBackend
 from services.coordinator.http_body import read_json_object
 from services.coordinator.metrics import UNKNOWN, APIMetrics
 from services.coordinator.plan import Endpoint, Plan, plan_chat, plan_completion
@@ -45,9 +38,10 @@ from services.coordinator.relay import (
     until_disconnect,
 )
 from services.coordinator.response_format import ChatFormat, CompletionFormat, ResponseFormat
+from services.coordinator.saved_routers import SavedRouters
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
-from services.coordinator.tiers import resolve_tier
+from services.coordinator.targets import resolve_targets
 from shared.telemetry.http_span import RequestTrace
 from shared.telemetry.tracing import Tracing
 
@@ -94,6 +88,9 @@ class GenerationHandler:
         self.settings = settings
         self.metrics = metrics
         self.tracing = tracing or Tracing.disabled()
+        self.keyring = settings.keyring
+        self.routers = SavedRouters(settings.routers)
+        self.admission = Admission(settings.tiers)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         trace = RequestTrace(
@@ -111,33 +108,43 @@ class GenerationHandler:
     async def _handle(self, request: Request, endpoint: Endpoint, trace: RequestTrace) -> Response:
         spec = ENDPOINTS[endpoint]
         progress = _Progress(trace=trace)
+        ticket: Ticket | None = None
+        streams: ChoiceStreams | None = None
         try:
-            check_api_key(request, self.settings.api_keys)
+            key = self.keyring.authenticate(request)
             data = await read_json_object(request, self.settings.max_body_bytes)
             try:
                 body = spec.schema.model_validate(data)
             except ValidationError as exc:
                 raise from_validation_error(exc) from exc
-            model = self._model(body.model or self.settings.model_id)
-            progress.model, progress.tier = model.id, resolve_tier(body.service_tier)
-            plan = await run_in_threadpool(spec.planner, body, model, self.settings)
+            tier = key.resolve_tier(body.service_tier)
+            log.debug("request from key %s at tier %s", key.name, tier)  # the name, never the key
+            policy, infos = resolve_targets(
+                body, self.routers, self.settings.model_id, self.backend.models()
+            )
+            model = infos[0]
+            progress.model, progress.tier = model.id, tier
+            plan = await run_in_threadpool(spec.planner, body, model, self.settings, tier)
             _describe(trace, plan, body)
-            state = ResponseState(plan)
-            streams = ChoiceStreams(self.backend, plan.requests)
+            state = ResponseState(plan, self.settings.prices.get(tier))
             try:
+                ticket = self.admission.try_acquire(model.id, tier) or await until_disconnect(
+                    request, self.admission.acquire(model.id, tier)
+                )
+                streams = ChoiceStreams(FallbackBackend(self.backend, policy), plan.requests)
                 if plan.stream:
                     first = await until_disconnect(request, streams.next())
                 else:
                     await until_disconnect(request, self._collect(streams, state, progress))
             except ClientDisconnected:
-                streams.close()
+                _close(streams, ticket)
                 self._count(progress, endpoint, CLIENT_CLOSED)
                 return Response(status_code=CLIENT_CLOSED)
             except Exception as exc:
-                streams.close()
+                _close(streams, ticket)
                 raise backend_api_error(exc, plan) from exc
             except BaseException:  # cancelled (server shutting down): still abort the work
-                streams.close()
+                _close(streams, ticket)
                 raise
         except APIError as exc:
             self._count(progress, endpoint, exc.status)
@@ -145,21 +152,11 @@ class GenerationHandler:
         headers = {"X-Request-Id": plan.response_id}
         fmt = spec.format(plan, state)
         if plan.stream:
-            events = self._events(plan, streams, first, state, fmt, progress)
+            events = self._events(plan, streams, first, state, fmt, progress, ticket)
             return SSEResponse(events, headers=headers)
+        ticket.release()
         self._finish(progress, endpoint, state, 200)
         return JSONResponse(fmt.response(), headers=headers)
-
-    def _model(self, model_id: str) -> ModelInfo:
-        for info in self.backend.models():
-            if info.id == model_id:
-                return info
-        raise APIError(
-            404,
-            f"The model '{model_id}' does not exist or is not served here; see /v1/models.",
-            param="model",
-            code="model_not_found",
-        )
 
     async def _collect(
         self, streams: ChoiceStreams, state: ResponseState, progress: _Progress
@@ -178,6 +175,7 @@ class GenerationHandler:
         state: ResponseState,
         fmt: ResponseFormat,
         progress: _Progress,
+        ticket: Ticket,
     ) -> AsyncIterator[str]:
         outcome: int | str = CLIENT_CLOSED  # unless the stream gets to its end
         try:
@@ -200,7 +198,7 @@ class GenerationHandler:
             yield sse(error.body())
             yield SSE_DONE
         finally:
-            streams.close()  # no await: this may run inside a cancelled scope
+            _close(streams, ticket)  # no await: this may run inside a cancelled scope
             self._finish(progress, plan.endpoint, state, outcome)
 
     def _observe(self, progress: _Progress, index: int, chunk: GenerationChunk) -> None:
@@ -277,29 +275,14 @@ def _describe(trace: RequestTrace, plan: Plan, body: BaseModel) -> None:
         trace.record_input(body.model_dump(mode="json", include={"messages", "prompt"}))
 
 
+def _close(streams: ChoiceStreams | None, ticket: Ticket | None) -> None:
+    """Abort what the backend still runs for the request and give back its slot."""
+    if streams is not None:
+        streams.close()
+    if ticket is not None:
+        ticket.release()
+
+
 def _check_finished(state: ResponseState) -> None:
     if not state.finished:
         raise BackendError("the backend ended the stream before the request finished")
-
-
-def backend_api_error(exc: BaseException, plan: Plan) -> APIError:
-    """A backend failure as the client should see it."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, BackendUnavailable):
-        return unavailable(str(exc), exc.retry_after_s)
-    if isinstance(exc, BackendRequestError):
-        param = plan.param_names.get(exc.param, exc.param)
-        return bad_request(exc.message, param)
-    if isinstance(exc, BackendError):
-        return APIError(
-            502, f"The model backend failed: {exc}", type=SERVER_ERROR, code="backend_error"
-        )
-    log.error("unexpected error serving %s", plan.response_id, exc_info=exc)
-    return APIError(
-        500, "The server had an internal error.", type=SERVER_ERROR, code="internal_error"
-    )
-
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

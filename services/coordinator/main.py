@@ -10,13 +10,17 @@ from pathlib import Path
 
 import grpc
 import uvicorn
+import yaml
+from pydantic import ValidationError
 
 from services.coordinator.app import create_app
 from services.coordinator.backend import ModelInfo
+from services.coordinator.entitlements import ApiKey
 from services.coordinator.grpc_backend import GrpcBackend, reap_forever
 from services.coordinator.registry import WorkerRegistry
 from services.coordinator.registry_service import RegistryService
 from services.coordinator.settings import APISettings
+from shared.config.policy import ApiKeyEntry
 from shared.config.schema import ConfigError, DeploymentConfig
 from shared.model.gguf_file import read_gguf_config
 from shared.model.loader import default_model_path
@@ -64,12 +68,66 @@ def api_keys(config: DeploymentConfig) -> tuple[str, ...]:
     return keys
 
 
+def keyed_api_keys(config: DeploymentConfig) -> tuple[ApiKey, ...]:
+    """Keys with entitlements: `api_keys.keys` inline, then those in `api_keys.file` (YAML)."""
+    entries = list(config.api_keys.keys)
+    path = config.api_keys.file
+    if path:
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"api_keys.file: cannot read {path}: {exc}") from exc
+        if not isinstance(raw, list) or not raw:
+            raise ConfigError(f"api_keys.file: {path} must hold a non-empty YAML list of keys")
+        try:
+            entries += [ApiKeyEntry.model_validate(item) for item in raw]
+        except ValidationError as exc:
+            problems = "; ".join(e["msg"] for e in exc.errors())
+            raise ConfigError(f"api_keys.file: {path}: {problems}") from exc
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"api_keys: key names must be unique; got {names}")
+    return tuple(ApiKey(e.name, e.key, e.default_tier, tuple(e.allowed_tiers)) for e in entries)
+
+
+def check_policy(config: DeploymentConfig) -> None:
+    """Cross-checks the schema cannot make alone: routers and limits name served models."""
+    served = {m.id for m in config.models}
+    for name, router in config.routers.items():
+        unknown = sorted(router.referenced_models - served)
+        if unknown:
+            raise ConfigError(
+                f"routers.{name}: models {unknown} are not served (served: {sorted(served)})"
+            )
+    unknown = sorted(set(config.tiers.max_in_flight_per_model) - served)
+    if unknown:
+        raise ConfigError(f"tiers.max_in_flight_per_model: unknown models {unknown}")
+
+
+def api_settings(config: DeploymentConfig) -> APISettings:
+    """The HTTP layer's settings from the deployment config, validated once here."""
+    check_policy(config)
+    c = config.coordinator
+    return APISettings(
+        model_id=config.models[0].id,
+        max_body_bytes=c.max_body_bytes,
+        max_tokens_limit=c.max_tokens_limit,
+        default_max_tokens=min(c.default_max_tokens, c.max_tokens_limit),
+        api_keys=api_keys(config),
+        keys=keyed_api_keys(config),
+        tiers=config.tiers,
+        prices=dict(config.prices),
+        routers=dict(config.routers),
+    )
+
+
 async def serve_coordinator(
     config: DeploymentConfig, bind_host: str | None = None, port: int | None = None
 ) -> None:
     """`bind_host` overrides where we listen (a pod binds 0.0.0.0 while workers dial the
     Service name in `coordinator.host`)."""
     infos = model_infos(config)
+    check_policy(config)  # before binding anything: a bad policy should stop the start
     registry = WorkerRegistry(config, {i.id: i.tokenizer.fingerprint for i in infos})
     grpc_server = grpc.aio.server()
     pb_grpc.add_RegistryServicer_to_server(RegistryService(registry), grpc_server)
@@ -79,13 +137,7 @@ async def serve_coordinator(
     await grpc_server.start()
     tracing = Tracing.from_config(config.telemetry, "splitserve-coordinator")
     backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
-    settings = APISettings(
-        model_id=config.models[0].id,
-        max_body_bytes=c.max_body_bytes,
-        max_tokens_limit=c.max_tokens_limit,
-        default_max_tokens=min(c.default_max_tokens, c.max_tokens_limit),
-        api_keys=api_keys(config),
-    )
+    settings = api_settings(config)
     app = create_app(backend, settings, tracing)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port or c.port, log_level="warning", lifespan="on")

@@ -46,7 +46,9 @@ class Plan:
         return choice // self.n
 
 
-def plan_chat(body: ChatCompletionRequest, model: ModelInfo, settings: APISettings) -> Plan:
+def plan_chat(
+    body: ChatCompletionRequest, model: ModelInfo, settings: APISettings, tier: str | None = None
+) -> Plan:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     messages: list[dict[str, Any]] = [
@@ -80,10 +82,13 @@ def plan_chat(body: ChatCompletionRequest, model: ModelInfo, settings: APISettin
         default_max=settings.default_max_tokens,
         logprobs=logprobs,
         names={"max_tokens": limit_param, "logprobs": "top_logprobs"},
+        tier=tier,
     )
 
 
-def plan_completion(body: CompletionRequest, model: ModelInfo, settings: APISettings) -> Plan:
+def plan_completion(
+    body: CompletionRequest, model: ModelInfo, settings: APISettings, tier: str | None = None
+) -> Plan:
     if body.suffix:
         raise bad_request("suffix is not supported by this model", "suffix")
     n = body.n if body.n is not None else 1
@@ -116,6 +121,7 @@ def plan_completion(body: CompletionRequest, model: ModelInfo, settings: APISett
         logprobs=body.logprobs,
         names={},
         prompt_logprobs=body.echo and body.logprobs is not None,
+        tier=tier,
     )
     plan.echo = body.echo
     plan.drop_output = requested == 0
@@ -137,6 +143,7 @@ def _build(
     logprobs: int | None,
     names: dict[str, str],
     prompt_logprobs: bool = False,
+    tier: str | None = None,
 ) -> Plan:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -156,7 +163,8 @@ def _build(
             f"{limit_param} is {requested}; this server allows at most {settings.max_tokens_limit}",
             limit_param,
         )
-    tier = resolve_tier(body.service_tier)
+    # The caller resolves `auto` against the API key; without one, as at OpenAI.
+    tier = tier or resolve_tier(body.service_tier)
     response_id = f"{id_prefix}-{uuid.uuid4().hex}"
     context = model.context_length
     requests: list[GenerationRequest] = []

@@ -4,9 +4,10 @@ KV blocks each replica holds (fed by the workers' KV events)."""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
+from services.router.index import ApplyResult, IndexEvent, KVIndex
+from services.router.pipeline import RouterPipeline
 from shared.config.schema import DeploymentConfig
 
 
@@ -34,6 +35,7 @@ class WorkerInfo:
     in_flight: int = 0  # requests this coordinator has routed there and not yet seen end
     kv_event_seq: int = 0
     metrics_address: str = ""  # host:port of its Prometheus /metrics; "" = not reported
+    tokenizer_fingerprint: str = ""  # salts its block hashes; the router hashes prompts alike
 
     @property
     def can_prefill(self) -> bool:
@@ -54,8 +56,8 @@ class WorkerRegistry:
         self.fingerprints = tokenizer_fingerprints
         self.workers: dict[str, WorkerInfo] = {}
         # block hash -> {worker_id: tier}; what the KV-aware router scores prefixes with.
-        self.kv_index: dict[int, dict[str, str]] = defaultdict(dict)
-        self._held: dict[str, dict[int, str]] = defaultdict(dict)  # worker -> hash -> tier
+        self.kv = KVIndex()
+        self.router = RouterPipeline(config.router, config.block_size)
 
     # -- membership ----------------------------------------------------------------------
 
@@ -136,44 +138,30 @@ class WorkerRegistry:
 
     def apply_events(
         self, worker_id: str, events: list[tuple[str, list[int], str, int]], snapshot: bool
-    ) -> None:
-        if snapshot:
-            self.drop_kv(worker_id)
-        held = self._held[worker_id]
-        for kind, hashes, tier, seq in events:
-            for h in hashes:
-                if kind == "stored":
-                    held[h] = tier
-                    self.kv_index[h][worker_id] = tier
-                elif held.get(h) == tier:
-                    del held[h]
-                    self.kv_index[h].pop(worker_id, None)
-                    if not self.kv_index[h]:
-                        del self.kv_index[h]
-            info = self.workers.get(worker_id)
-            if info is not None:
-                info.kv_event_seq = max(info.kv_event_seq, seq)
+    ) -> ApplyResult:
+        """One batch of a worker's KV events; `gap` in the result: it must send a snapshot."""
+        result = self.kv.apply(
+            worker_id,
+            [IndexEvent(kind, tuple(hashes), tier, seq) for kind, hashes, tier, seq in events],  # type: ignore[arg-type]
+            snapshot=snapshot,
+        )
+        info = self.workers.get(worker_id)
+        if info is not None:
+            info.kv_event_seq = self.kv.last_seq(worker_id)
+        return result
+
+    def needs_resync(self, worker_id: str, published_seq: int) -> bool:
+        """The worker published further than we applied (events lost in flight), or a gap
+        made its view stale: either way only a snapshot puts it right."""
+        return self.kv.is_stale(worker_id) or published_seq > self.kv.last_seq(worker_id)
 
     def drop_kv(self, worker_id: str) -> None:
-        for h in self._held.pop(worker_id, {}):
-            holders = self.kv_index.get(h)
-            if holders is not None:
-                holders.pop(worker_id, None)
-                if not holders:
-                    del self.kv_index[h]
+        self.kv.drop(worker_id)
 
     def cached_prefix_blocks(
         self, worker_id: str, block_hashes: list[int]
     ) -> tuple[int, str | None]:
         """Leading blocks of a prompt this worker holds, and the slowest tier among them."""
-        n = 0
-        worst = None
-        order = {"device": 0, "host": 1, "disk": 2}
-        for h in block_hashes:
-            tier = self.kv_index.get(h, {}).get(worker_id)
-            if tier is None:
-                break
-            n += 1
-            if worst is None or order[tier] > order[worst]:
-                worst = tier
-        return n, worst
+        hit = self.kv.prefix(worker_id, block_hashes)
+        worst = next((t for t in ("disk", "host", "device") if getattr(hit, t)), None)
+        return hit.blocks, worst

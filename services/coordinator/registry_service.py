@@ -44,6 +44,7 @@ class RegistryService(pb_grpc.RegistryServicer):
                 max_model_len=request.max_model_len,
                 load=load_from_proto(request.load),
                 metrics_address=request.metrics_address,
+                tokenizer_fingerprint=request.tokenizer_fingerprint,
             )
         )
         log.info(
@@ -62,18 +63,23 @@ class RegistryService(pb_grpc.RegistryServicer):
         known = self.registry.heartbeat(request.worker_id, load_from_proto(request.load))
         if not known:
             return pb.HeartbeatResponse(known=False)
-        info = self.registry.workers[request.worker_id]
-        # A worker that published further than we applied lost events in flight: resync.
-        resync = info.kv_event_seq + 1 if request.kv_event_seq > info.kv_event_seq else 0
+        # Events lost in flight (a gap, or the worker published past what we applied): the
+        # worker answers a nonzero resync_from_seq with a full snapshot.
+        resync = 0
+        if self.registry.needs_resync(request.worker_id, request.kv_event_seq):
+            resync = self.registry.kv.last_seq(request.worker_id) + 1
         return pb.HeartbeatResponse(known=True, resync_from_seq=resync)
 
     async def PublishKVEvents(self, request_iterator, context) -> pb.KVEventAck:
         last = 0
         async for batch in request_iterator:
-            if batch.worker_id not in self.registry.workers:
-                continue
+            info = self.registry.workers.get(batch.worker_id)
+            if info is None or not info.alive:
+                continue  # a dead replica's entries stay dropped until it registers again
             events = [(e.kind, list(e.block_hashes), e.tier, e.seq) for e in batch.events]
-            self.registry.apply_events(batch.worker_id, events, batch.snapshot)
+            result = self.registry.apply_events(batch.worker_id, events, batch.snapshot)
+            if result.gap:
+                log.info("KV events from %s skipped a sequence number: resync", batch.worker_id)
             if batch.events:
                 last = max(last, max(e.seq for e in batch.events))
         return pb.KVEventAck(last_seq=last)

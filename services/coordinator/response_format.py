@@ -43,7 +43,7 @@ class ResponseFormat(ABC):
             "id": self.plan.response_id,
             "object": object_name,
             "created": self.plan.created,
-            "model": self.plan.model.id,
+            "model": self.state.served_model,
             "system_fingerprint": self.plan.model.fingerprint or None,
             "service_tier": self.plan.tier,
         }

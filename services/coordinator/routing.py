@@ -1,11 +1,14 @@
-"""Choosing the replicas for one request. For now least-loaded prefill and least-loaded
-decode; the KV-aware scorer replaces `choose_pair`'s scoring in the router issue."""
+"""Choosing the replicas for one request: the registry's view handed to the router pipeline
+(services/router), and its answer mapped back to registry entries."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
+from services.router.pipeline import RouteRequest
+from services.router.replica import ReplicaState
 
 
 @dataclass
@@ -20,33 +23,52 @@ class RoutingDecision:
         return f"{self.prefill.worker_id}->{self.decode.worker_id}"
 
 
-def prefill_load(w: WorkerInfo) -> tuple[int, int]:
-    return (w.in_flight, w.load.queued_prefill_tokens)
+def replica_state(w: WorkerInfo, excluded: bool = False) -> ReplicaState:
+    load = w.load
+    return ReplicaState(
+        replica_id=w.worker_id,
+        role=w.role,  # type: ignore[arg-type]  # checked at registration
+        model=w.model,
+        alive=w.alive and not excluded,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        active_kv_tokens=load.active_kv_tokens,
+        running=load.running,
+        waiting=load.waiting,
+        in_flight=w.in_flight,
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+    )
 
 
-def decode_load(w: WorkerInfo) -> tuple[int, int]:
-    return (w.in_flight + w.load.running, w.load.active_kv_tokens)
+def _salt(registry: WorkerRegistry, model: str) -> bytes:
+    """The workers salt block hashes with their tokenizer fingerprint; use what they reported
+    (the configured one when none has registered yet)."""
+    reported = sorted(
+        w.tokenizer_fingerprint
+        for w in registry.workers.values()
+        if w.model == model and w.tokenizer_fingerprint
+    )
+    fingerprint = reported[0] if reported else registry.fingerprints.get(model, "")
+    return fingerprint.encode()
 
 
-def choose_pair(registry: WorkerRegistry, model: str) -> RoutingDecision | None:
-    alive = registry.alive(model)
-    prefills = [w for w in alive if w.role == "prefill"]
-    decodes = [w for w in alive if w.role == "decode"]
-    if prefills and decodes:
-        p = min(prefills, key=prefill_load)
-        d = min(decodes, key=decode_load)
-        return RoutingDecision(
-            p,
-            d,
-            [
-                f"disaggregated: least-loaded prefill {p.worker_id} (in_flight={p.in_flight}, "
-                f"queued_prefill_tokens={p.load.queued_prefill_tokens})",
-                f"least-loaded decode {d.worker_id} "
-                f"(in_flight={d.in_flight}, running={d.load.running})",
-            ],
-        )
-    both = [w for w in alive if w.role == "both"]
-    if both:
-        b = min(both, key=decode_load)
-        return RoutingDecision(None, b, [f"colocated: least-loaded replica {b.worker_id}"])
-    return None
+def choose_pair(
+    registry: WorkerRegistry,
+    model: str,
+    *,
+    prompt_token_ids: Sequence[int] | None = None,
+    previous_decode: str | None = None,
+    exclude: Collection[str] = frozenset(),
+) -> RoutingDecision | None:
+    """`previous_decode`: the worker that served this conversation's previous turn, if known;
+    `exclude`: workers that already failed this request."""
+    replicas = [replica_state(w, w.worker_id in exclude) for w in registry.workers.values()]
+    request = RouteRequest(model, prompt_token_ids, previous_decode)
+    route = registry.router.route(replicas, registry.kv, request, _salt(registry, model))
+    if route is None:
+        return None
+    prefill = registry.workers[route.prefill] if route.prefill is not None else None
+    reasoning = list(route.reasoning)
+    if exclude:
+        reasoning.insert(0, f"excluded after failing this request: {', '.join(sorted(exclude))}")
+    return RoutingDecision(prefill, registry.workers[route.decode], reasoning)

@@ -108,6 +108,36 @@ class ChatMessage(_Body):
     name: StrictStr | None = None
 
 
+class Fallback(_Body):
+    ttft_timeout: Number  # ms
+
+    @field_validator("ttft_timeout")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if value <= 0:
+            raise _invalid(f"must be a positive number of milliseconds, got {value}")
+        return float(value)
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    # OpenAI's request metadata: at most 16 string pairs, keys to 64 and values to 512 chars.
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise _invalid("must be an object mapping strings to strings")
+    if len(value) > 16:
+        raise _invalid(f"may hold at most 16 pairs, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64 or len(item) > 512:
+            raise _invalid(f"key {key[:64]!r}: keys may be 64 and values 512 characters long")
+    return dict(value)
+
+
+Metadata = Annotated[dict[str, str] | None, PlainValidator(_metadata)]
+
+
 class _GenerationBody(_Body):
     """Fields the two endpoints share."""
 
@@ -130,6 +160,18 @@ class _GenerationBody(_Body):
     stream_options: StreamOptions | None = None
     service_tier: StrictStr | None = None
     logit_bias: dict[str, Any] | None = None
+    # Models to try in order (`model`, when given and different, goes first), and when to
+    # give up on one that has not produced its first token.
+    models: list[StrictStr] | None = None
+    fallback: Fallback | None = None
+    metadata: Metadata = None
+
+    @field_validator("models")
+    @classmethod
+    def _some_models(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise _invalid("must name at least one model")
+        return value
 
     @field_validator("service_tier")
     @classmethod

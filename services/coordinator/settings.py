@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.coordinator.entitlements import ApiKey, KeyRing
+from shared.config.policy import Price, SavedRouter, TiersConfig, default_prices
 from shared.model.loader import DEFAULT_MODEL_ID
 
 
@@ -18,9 +20,20 @@ class APISettings:
     max_choices: int = 16  # prompts x n in one request
     # Bearer keys accepted on /v1/*; empty = no authentication.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Keys with tier entitlements; both kinds are accepted when both are given.
+    keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    tiers: TiersConfig = TiersConfig()
+    prices: dict[str, Price] = field(default_factory=default_prices)
+    routers: dict[str, SavedRouter] = field(default_factory=dict)
+
+    @property
+    def keyring(self) -> KeyRing:
+        return KeyRing(KeyRing.from_plain(self.api_keys).keys + self.keys)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "prices", {**default_prices(), **self.prices})
         if not self.model_id:
             raise ValueError("model_id must not be empty")
         for name in (

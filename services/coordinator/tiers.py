@@ -9,6 +9,8 @@ ServiceTier = Literal["auto", "default", "priority", "flex", "batch"]
 # Smaller runs first; the engine's schedulers and preemption order follow it.
 TIER_PRIORITY: dict[str, int] = {"priority": 0, "default": 1, "flex": 2, "batch": 3}
 VALID_TIERS: tuple[str, ...] = ("auto", "default", "priority", "flex", "batch")
+# The tiers a request is actually served at (`auto` resolves to one of them).
+SERVED_TIERS: tuple[str, ...] = ("priority", "default", "flex", "batch")
 
 
 def resolve_tier(requested: str | None) -> str:

@@ -33,7 +33,11 @@ class DecodeService:
             params = params_from_proto(spec.sampling)
         except SamplingParamError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if rid in self.runtime.cancelled:  # aborted before its Decode call got here
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
         prompt = list(spec.prompt_token_ids)
+        if not request.kv_transferred:  # this replica computes the first token
+            await self.runtime.delay_first_token()
         table = self.runtime.take_parked(rid) if request.kv_transferred else None
         local = table is None
         if table is not None:
@@ -98,7 +102,15 @@ class DecodeTransferControl(KvTransferControlServicer):
         self._reserved: dict[str, object] = {}
         self._tables: dict[str, object] = {}
 
+    async def cancel(self, request_id: str) -> bool:
+        """Stop a receive still in flight; its blocks come back through the usual hook."""
+        return await self._stop(request_id)
+
     async def PrepareReceive(self, request, context):
+        if request.request_id in self.runtime.cancelled:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id} was cancelled"
+            )
         # Blocks are reserved on the engine thread first; the base class then only
         # looks them up (its hook is synchronous).
         block_size = self.runtime.engine.blocks.block_size

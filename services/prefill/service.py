@@ -4,6 +4,8 @@ cache, so the next turn of the conversation reuses them)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
@@ -28,6 +30,7 @@ class PrefillService:
     def __init__(self, runtime: WorkerRuntime):
         self.runtime = runtime
         self._clients: dict[str, KvTransferControlClient] = {}
+        self._background: set[asyncio.Task] = set()  # aborts sent on cancellation
 
     def _client(self, address: str) -> KvTransferControlClient:
         if address not in self._clients:
@@ -47,9 +50,12 @@ class PrefillService:
             params = params_from_proto(spec.sampling)
         except SamplingParamError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if rid in self.runtime.cancelled:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
         push = bool(request.destination.control_address)
         prompt = list(spec.prompt_token_ids)
         start = time.perf_counter()
+        await self.runtime.delay_first_token()
 
         def add(engine) -> str:
             return engine.add_request(
@@ -121,8 +127,24 @@ class PrefillService:
             log.warning("KV push of %s failed: %s", rid, exc)
             outcome.status = "failed"
             outcome.error = str(exc)
+        except asyncio.CancelledError:
+            # The coordinator gave up (client gone): the decode replica must not wait out
+            # the deadline with blocks reserved for KV that will never come.
+            self._abort_receive(dest.control_address, rid)
+            raise
         finally:
             if not released:
                 engine.post(lambda e: e.release(rid))
         outcome.seconds = time.perf_counter() - start
         return outcome
+
+    def _abort_receive(self, control_address: str, rid: str) -> None:
+        client = self._client(control_address)
+
+        async def abort() -> None:
+            with contextlib.suppress(ControlPlaneError):
+                await client.abort(rid, "prefill cancelled")
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -23,6 +23,7 @@ class FleetConfig:
     chunk_tokens: int | None = None  # prefill token budget per step; None: the profile's
     cache_tokens: int | None = None  # prefix cache per prefill replica; None: the profile's KV
     unbounded_cache: bool = False  # the oracle: every prefix ever seen stays cached
+    host_cache_tokens: int = 0  # per prefill replica: device evictions spill here
     decode_max_batch: int = 64  # sequences one decode replica runs at once (max_num_seqs)
     handoff_ms: float = 0.0  # first token out -> the sequence may join a decode step
 

@@ -22,7 +22,8 @@ class RequestTable:
         self.priority: list[int] = priorities.tolist()
         self.hash_ids = trace.hash_ids
         # Filled in as the replay goes.
-        self.cached: list[int] = [0] * n
+        self.cached: list[int] = [0] * n  # prefill skipped (a host hit only in part)
+        self.hit: list[int] = [0] * n  # prompt tokens found in a cache, any tier
         self.prefill_replica: list[int] = [-1] * n
         self.decode_replica: list[int] = [-1] * n
         self.prefill_end: list[float] = [NOT_YET] * n

@@ -1,12 +1,10 @@
-"""Router policies in the simulator, each a score over the prefill replicas (lowest wins, ties
-to the lower index), as filter -> score -> pick: every live replica is a candidate here.
+"""Router policies in the simulator. Prefill replicas are scored with the live router's own
+code (`services.router.score`, `services.router.pick`), so `bench router` measures what the
+coordinator ships; only `round_robin` (in turn, blind to load and cache) needs no score.
 
-- `round_robin`: in turn, blind to load and cache.
-- `least_loaded`: what the coordinator does today, (requests in flight, queued prompt tokens).
-- `prefix_only`: the replica holding the longest prefix of the prompt, load only breaking ties.
-- `kv_aware`: the replica that would finish the prompt soonest: the prompt tokens it still
-  has queued plus those of this prompt it does not hold. A cached prefix pulls a request to
-  a replica until that replica's queue outweighs the prefill the prefix saves.
+- `least_loaded`: the fewest requests in flight, then prompt tokens queued.
+- `prefix_only`: the longest cached prefix, load only breaking ties.
+- `kv_aware`: prefill work left (uncached tokens, host hits at a fraction) plus queued tokens.
 Decode replicas are always least-loaded: (requests in flight + running, KV tokens held).
 """
 
@@ -15,41 +13,48 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import count
 
+from services.router.index import PrefixHit
+from services.router.pick import pick
+from services.router.score import cached_tokens, prefill_cost
 from services.tuner.decode_sim import DecodeReplica
 from services.tuner.fleet import RouterPolicy
 from services.tuner.prefill_sim import PrefillReplica
+from shared.config.router import RouterConfig
 
 
 class PrefillRouter:
-    def __init__(self, policy: RouterPolicy):
+    def __init__(self, policy: RouterPolicy, cfg: RouterConfig | None = None):
         self.policy = policy
+        self.cfg = cfg or RouterConfig()
         self.uses_prefix = policy in ("prefix_only", "kv_aware")
         self._turn = count()
+        self._ids: list[str] = []
 
     def choose(
         self,
         replicas: Sequence[PrefillReplica],
         now: float,
-        new_tokens: Sequence[int],
-        matched: Sequence[int],
+        prompt_tokens: int,
+        hits: Sequence[PrefixHit],
+        block_tokens: float,
     ) -> int:
-        """`new_tokens[r]`: prompt tokens replica r would compute; `matched[r]`: its cached
-        leading blocks (zeros when the policy ignores the cache)."""
-        policy = self.policy
-        if policy == "round_robin":
+        """`hits[r]`: replica r's cached leading blocks (empty when the policy ignores them)."""
+        if self.policy == "round_robin":
             return next(self._turn) % len(replicas)
-        best, best_key = 0, None
+        if len(self._ids) != len(replicas):  # ids that sort as the indices do
+            self._ids = [f"prefill-{r:05d}" for r in range(len(replicas))]
+        scores = []
         for r, replica in enumerate(replicas):
             in_flight, queued = replica.load(now)
-            if policy == "least_loaded":
-                key = (in_flight, queued)
-            elif policy == "prefix_only":
-                key = (-matched[r], in_flight, queued)
-            else:  # kv_aware
-                key = (queued + new_tokens[r], -matched[r], in_flight)
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        return best
+            cached = cached_tokens(hits[r], block_tokens, prompt_tokens)
+            scores.append(
+                prefill_cost(
+                    self._ids[r], prompt_tokens, cached, queued, self.cfg, self.policy, in_flight
+                )
+            )
+        best = pick(scores)
+        assert best is not None  # a fleet has at least one prefill replica
+        return self._ids.index(best.replica_id)
 
 
 def choose_decode(replicas: Sequence[DecodeReplica]) -> int:

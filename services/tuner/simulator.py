@@ -18,6 +18,8 @@ from collections.abc import Callable
 import numpy as np
 
 from services.profiler.costmodel import ReplicaProfile
+from services.router.index import PrefixHit
+from services.router.score import cached_tokens
 from services.tuner.decode_sim import DecodeReplica
 from services.tuner.fleet import FleetConfig, assign_priorities
 from services.tuner.prefill_sim import PrefillReplica
@@ -26,6 +28,7 @@ from services.tuner.requests import RequestTable
 from services.tuner.results import SimResult
 from services.tuner.routing import PrefillRouter, choose_decode
 from services.tuner.trace import Trace
+from shared.config.router import RouterConfig
 
 ProgressFn = Callable[[int, int], None]
 PROGRESS_EVERY = 8192
@@ -38,13 +41,24 @@ def _cache_blocks(fleet: FleetConfig, profile: ReplicaProfile, trace: Trace) -> 
     return int(tokens // max(trace.block_tokens, 1e-9))
 
 
+def _host_blocks(fleet: FleetConfig, trace: Trace) -> int:
+    return (
+        0
+        if fleet.unbounded_cache
+        else int(fleet.host_cache_tokens // max(trace.block_tokens, 1e-9))
+    )
+
+
 def simulate(
     trace: Trace,
     profile: ReplicaProfile,
     fleet: FleetConfig,
     priorities: np.ndarray | None = None,
     progress: ProgressFn | None = None,
+    router_config: RouterConfig | None = None,
 ) -> SimResult:
+    """`router_config`: the live router's weights (host-hit cost, queue weight); its policy is
+    overridden by `fleet.router`."""
     started = time.perf_counter()
     n = len(trace)
     if priorities is None:
@@ -67,6 +81,8 @@ def simulate(
             decode.push_join(rid, at + handoff)
 
     blocks = _cache_blocks(fleet, profile, trace)
+    host_blocks = _host_blocks(fleet, trace)
+    router_cfg = router_config or RouterConfig()
     prefills = [
         PrefillReplica(
             i,
@@ -75,19 +91,19 @@ def simulate(
             profile.transfer,
             profile.kv_bytes_per_token,
             table,
-            PrefixCache(blocks),
+            PrefixCache(blocks, host_blocks),
             on_first_token,
             profile.serving_overhead_ms,
         )
         for i in range(fleet.prefill_replicas)
     ]
-    router = PrefillRouter(fleet.router)
+    router = PrefillRouter(fleet.router, router_cfg)
+    host_cost = router_cfg.host_hit_cost
     hash_ids = trace.hash_ids
     block_tokens = trace.block_tokens
     use_cache = hash_ids is not None and (blocks is None or blocks > 0)
     arrival, inputs = table.arrival, table.input
-    p_count = len(prefills)
-    zeros = [0] * p_count
+    no_hits = [PrefixHit()] * len(prefills)
     for rid in range(n):
         now = arrival[rid]
         for p in prefills:
@@ -98,16 +114,18 @@ def simulate(
         prompt = inputs[rid]
         ids = hash_ids[rid] if use_cache else ()
         if ids and router.uses_prefix:
-            matched = [p.cache.match(ids) for p in prefills]
+            hits = [p.cache.match_tiers(ids) for p in prefills]
         else:
-            matched = zeros
-        new_tokens = [prompt - min(int(m * block_tokens), prompt - 1) for m in matched]
-        r = router.choose(prefills, now, new_tokens, matched)
+            hits = no_hits
+        r = router.choose(prefills, now, prompt, hits, block_tokens)
         chosen = prefills[r]
-        hit = matched[r] if router.uses_prefix else (chosen.cache.match(ids) if ids else 0)
+        hit = hits[r] if router.uses_prefix else chosen.cache.match_tiers(ids)
         if ids:
             chosen.cache.insert(ids)
-        table.cached[rid] = min(int(hit * block_tokens), prompt - 1)
+        cached = cached_tokens(hit, block_tokens, prompt)
+        table.hit[rid] = cached.total
+        # A host block is copied back, not recomputed: it costs a fraction of its prefill.
+        table.cached[rid] = cached.total - round(host_cost * cached.host)
         table.prefill_replica[rid] = r
         d = choose_decode(decodes)
         table.decode_replica[rid] = d
@@ -146,7 +164,7 @@ def _result(
         ttft_ms=np.asarray(table.ttft) - arrival,
         e2e_ms=np.asarray(table.finish) - arrival,
         input_tokens=trace.input_tokens,
-        cached_tokens=np.asarray(table.cached, dtype=np.int64),
+        cached_tokens=np.asarray(table.hit, dtype=np.int64),
         output_tokens=trace.output_tokens,
         priority=np.asarray(table.priority, dtype=np.int64),
         prefill_replica=np.asarray(table.prefill_replica, dtype=np.int64),

@@ -136,8 +136,11 @@ class RegistryClient:
     async def publish_snapshot(self) -> None:
         """Everything cached, per tier, replacing what the coordinator knew about us."""
         self._drain()  # superseded by the snapshot
-        cached = await self.runtime.async_engine.call(lambda e: e.blocks.cached_hashes())
-        seq = self.runtime.engine.blocks.events.last_seq
+        # The sequence number is read on the engine thread with the hashes, so no event can
+        # fall between them: later events number past the snapshot and are applied on top.
+        cached, seq = await self.runtime.async_engine.call(
+            lambda e: (e.blocks.cached_hashes(), e.blocks.events.last_seq)
+        )
         batch = pb.KVEventBatch(
             worker_id=self.runtime.worker_id,
             snapshot=True,

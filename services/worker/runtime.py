@@ -9,6 +9,7 @@ import os
 import queue
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.kvtransfer.factory import create_backend, create_pool
@@ -28,12 +29,41 @@ log = logging.getLogger(__name__)
 
 # KV pushed here is kept this long for its Decode call; then its blocks go back.
 PARKED_KV_TTL_S = 30.0
+# A cancelled request id is remembered this long, so pieces of it that arrive late (KV pushed
+# after the coordinator's Abort, a Decode call racing it) are refused instead of served.
+CANCELLED_TTL_S = 60.0
+CANCELLED_MAX = 4096
 
 
 @dataclass
 class ParkedKV:
     table: BlockTable
     expires_at: float
+
+
+class CancelledRequests:
+    """Request ids the coordinator aborted: bounded in count and in time."""
+
+    def __init__(self, ttl_s: float = CANCELLED_TTL_S, capacity: int = CANCELLED_MAX):
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._until: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, request_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._until[request_id] = now + self.ttl_s
+        self._until.move_to_end(request_id)
+        while len(self._until) > self.capacity:
+            self._until.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        until = self._until.get(request_id)  # type: ignore[arg-type]
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._until[request_id]  # type: ignore[arg-type]
+            return False
+        return True
 
 
 class WorkerRuntime:
@@ -90,6 +120,10 @@ class WorkerRuntime:
         )
         self.transfer.register_pool(pool)
         self.parked: dict[str, ParkedKV] = {}
+        self.cancelled = CancelledRequests()
+        self.faults = worker.fault_injection
+        if self.faults.active:
+            log.warning("FAULT INJECTION is on for %s: %s", self.worker_id, self.faults)
         self.started_at = time.time()
 
     @property
@@ -106,7 +140,21 @@ class WorkerRuntime:
         self.transfer.close()
 
     def park(self, request_id: str, table: BlockTable) -> None:
+        if request_id in self.cancelled:  # the KV landed after the request was aborted
+            self.async_engine.post(lambda e: e.free_reserved(table))
+            return
         self.parked[request_id] = ParkedKV(table, time.monotonic() + PARKED_KV_TTL_S)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the request here whatever stage it is in; later pieces of it are refused."""
+        self.cancelled.add(request_id)
+        self.async_engine.abort(request_id)
+        self.drop_parked(request_id)
+
+    async def delay_first_token(self) -> None:
+        """Fault injection (test only): stall before a request's first token."""
+        if self.faults.first_token_delay_ms:
+            await asyncio.sleep(self.faults.first_token_delay_s)
 
     def take_parked(self, request_id: str) -> BlockTable | None:
         parked = self.parked.pop(request_id, None)

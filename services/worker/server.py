@@ -28,9 +28,15 @@ DRAIN_GRACE_S = 30.0
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runtime: WorkerRuntime, telemetry: WorkerTelemetry):
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        telemetry: WorkerTelemetry,
+        control: DecodeTransferControl | None = None,
+    ):
         self.runtime = runtime
         self.telemetry = telemetry
+        self.control = control  # decode roles: the KV receives an Abort must stop too
         self.prefill_service = (
             PrefillService(runtime) if runtime.role in ("prefill", "both") else None
         )
@@ -59,8 +65,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 yield chunk
 
     async def Abort(self, request, context):
-        self.runtime.async_engine.abort(request.request_id)
-        self.runtime.drop_parked(request.request_id)
+        """The coordinator gave up on the request (client gone, migrated): stop it in every
+        stage here — queued or running, KV parked, KV still arriving — and refuse late parts."""
+        self.runtime.cancel(request.request_id)
+        if self.control is not None:
+            await self.control.cancel(request.request_id)
         return pb.AbortResponse(aborted=True)
 
     async def Stats(self, request, context):
@@ -86,11 +95,10 @@ async def serve_worker(
     )
     runtime.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    servicer = WorkerServicer(runtime, telemetry)
+    control = DecodeTransferControl(runtime) if role in ("decode", "both") else None
+    servicer = WorkerServicer(runtime, telemetry, control)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    control = None
-    if role in ("decode", "both"):
-        control = DecodeTransferControl(runtime)
+    if control is not None:
         add_control_servicer(server, control)
     port = server.add_insecure_port(f"{config.worker_host}:{port}")
     await server.start()

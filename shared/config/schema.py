@@ -12,6 +12,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.config.faults import FaultInjection
+from shared.config.policy import ApiKeysConfig, Prices, Routers, TiersConfig
+from shared.config.router import RouterConfig
+from shared.config.speculative import SpeculativeConfig
+
 TransferBackendName = Literal["shm", "tcp", "nixl", "fake"]
 WeightsName = Literal["fp32", "bf16", "int8", "int4", "auto"]
 RoleName = Literal["prefill", "decode", "both"]
@@ -48,6 +53,7 @@ class WorkerConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads; default: cores / workers")
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    fault_injection: FaultInjection = FaultInjection()  # test-only; off by default
 
 
 class ModelDeployment(_Strict):
@@ -58,6 +64,7 @@ class ModelDeployment(_Strict):
     max_model_len: int | None = Field(None, ge=16)
     pools: PoolsConfig = PoolsConfig()
     worker: WorkerConfig = WorkerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("id")
     @classmethod
@@ -114,6 +121,11 @@ class DeploymentConfig(_Strict):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     worker_host: str = "127.0.0.1"
     telemetry: TelemetryConfig = TelemetryConfig()
+    tiers: TiersConfig = TiersConfig()
+    api_keys: ApiKeysConfig = ApiKeysConfig()
+    prices: Prices = Field(default_factory=dict, validate_default=True)
+    routers: Routers = Field(default_factory=dict)
+    router: RouterConfig = RouterConfig()
 
     @field_validator("block_size")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.config.speculative import MAX_SPECULATIVE_TOKENS, SpecMethod
 from shared.model.linear import WEIGHT_FORMATS, WeightFormat
 
 Role = Literal["prefill", "decode", "both"]
@@ -29,6 +30,12 @@ class EngineConfig:
     num_threads: int | None = None
     device: str = "cpu"
     seed: int = 0
+    # Speculative decoding (decode phase only): see shared/speculative.
+    speculative_method: SpecMethod = "none"
+    num_speculative_tokens: int = 4
+    draft_path: str | None = None  # None = draft_path_for(model)
+    ngram_max: int = 4
+    ngram_min: int = 1
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -51,3 +58,18 @@ class EngineConfig:
             raise ValueError("preemption_mode 'swap' needs host_cache_bytes > 0")
         if self.disk_cache_bytes > 0 and (self.host_cache_bytes <= 0 or not self.disk_cache_dir):
             raise ValueError("a disk cache tier needs host_cache_bytes > 0 and disk_cache_dir")
+        if self.speculative_method not in ("none", "ngram", "draft", "adaptive"):
+            raise ValueError(
+                "speculative_method must be none, ngram, draft or adaptive, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                "ngram sizes need 1 <= ngram_min <= ngram_max, "
+                f"got {self.ngram_min}..{self.ngram_max}"
+            )

@@ -12,7 +12,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.output import RequestOutput, TextTracker, TokenLogprob
 from shared.engine.runner import ModelRunner, StepResult
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from shared.engine.sequence import SeqStatus, Sequence
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.disk_tier import DiskTier
@@ -23,6 +23,9 @@ from shared.model.llama import LlamaModel
 from shared.model.loader import load_model
 from shared.sampling.batch import make_generator
 from shared.sampling.params import SamplingParamError, SamplingParams
+from shared.speculative.loading import build_speculator
+from shared.speculative.proposer import DraftProposer
+from shared.speculative.verify import Verified
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.tokenizer import Tokenizer
 
@@ -44,6 +47,7 @@ class Engine:
         event_sink=None,
         pool: KVPool | None = None,
         kv_salt: bytes | None = None,
+        draft: DraftProposer | None = None,
     ):
         self.config = config
         if config.num_threads:
@@ -91,6 +95,10 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
+        fingerprint = tokenizer.fingerprint if tokenizer else (kv_salt or b"").decode()
+        self.speculator = build_speculator(
+            config, self.max_model_len, config.model, fingerprint, model_cfg.vocab_size, draft
+        )
         self.sequences: dict[str, Sequence] = {}
         self._text: dict[str, TextTracker] = {}
         self._prompt_logprobs: dict[str, list[float | None]] = {}
@@ -236,6 +244,7 @@ class Engine:
         seq.finish_reason = seq.finish_reason or "abort"
         self._text.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self.speculator.release(request_id)
 
     def release(self, request_id: str) -> None:
         """Free the KV a finished `keep_kv` request still holds (after it was transferred)."""
@@ -245,17 +254,29 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def spec_stats(self) -> dict:
+        """Speculative decoding: acceptance per method, histogram, and why a draft is off."""
+        return self.speculator.stats.as_dict()
+
     # -- the step loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start_ns = time.time_ns()
+        if self.speculator.enabled:
+            self.speculator.plan(self.scheduler.running)
         plan: SchedulerOutput = self.scheduler.schedule()
         if plan.is_empty:
             return []
         want = {
             i for i, s in enumerate(plan.scheduled) if s.seq.request_id in self._prompt_logprobs
         }
+        run_start = time.perf_counter()
         result = self.runner.run(plan.scheduled, want)
+        if self.speculator.enabled and all(
+            s.num_tokens - s.num_draft == 1 and s.completes_prompt for s in plan.scheduled
+        ):
+            # A pure decode/verify step: what the adaptive controller prices k with.
+            self.speculator.observe_step(plan.num_batched_tokens, time.perf_counter() - run_start)
         outputs = self._postprocess(plan, result)
         if self.step_observers:
             end_ns = time.time_ns()
@@ -269,8 +290,17 @@ class Engine:
             seq = item.seq
             if index in result.prompt_logprobs:
                 self._prompt_logprobs[seq.request_id].extend(result.prompt_logprobs[index])
+            if item.num_draft:
+                continue  # settled by _settle_verified once the accepted length is known
             seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_full_blocks(seq.table, seq.token_ids[: seq.num_computed_tokens])
+        if result.verified is not None:
+            logprobs = result.verified_logprobs or {}
+            for row, (item, done) in enumerate(zip(result.sampled, result.verified, strict=True)):
+                if item.num_draft:
+                    self._settle_verified(item, done)
+                out = self._append_tokens(item.seq, done.token_ids, logprobs.get(row))
+                outputs[item.seq.request_id] = out
         if result.samples is not None:
             token_ids = result.samples.token_ids.tolist()
             chosen = result.samples.logprobs.tolist()
@@ -290,6 +320,37 @@ class Engine:
                     logprob = TokenLogprob(token_ids[row], chosen[row], pairs)
                 outputs[seq.request_id] = self._append_token(seq, token_ids[row], logprob)
         return list(outputs.values())
+
+    def _settle_verified(self, item: ScheduledSeq, done: Verified) -> None:
+        """Keep the KV of the last token and the accepted drafts; roll back the rest."""
+        seq, accepted = item.seq, done.num_accepted
+        self.speculator.record(seq, accepted)
+        kept = done.token_ids[:accepted]
+        seq.num_computed_tokens += 1 + accepted
+        assert seq.table is not None
+        # Blocks past the kept tokens go back; rejected tokens were never committed (hashed).
+        if not self.blocks.truncate(seq.table, seq.num_computed_tokens):
+            raise RuntimeError(f"{seq.request_id}: rollback of rejected drafts failed")
+        self.blocks.commit_full_blocks(seq.table, (seq.token_ids + kept)[: seq.num_computed_tokens])
+        # Observers (metrics, traces) see the tokens whose KV was kept.
+        item.num_tokens, item.num_draft = 1 + accepted, accepted
+        seq.draft = None
+
+    def _append_tokens(
+        self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None
+    ) -> RequestOutput:
+        """Several tokens from one step, emitted one by one so that a stop token, stop string
+        or length limit ends the sequence exactly where plain decoding would."""
+        out = self._append_token(seq, tokens[0], logprob)
+        for token in tokens[1:]:
+            if out.finished:
+                break
+            more = self._append_token(seq, token, None)
+            out.new_token_ids.extend(more.new_token_ids)
+            out.text += more.text
+            out.finished, out.finish_reason = more.finished, more.finish_reason
+            out.num_output_tokens = more.num_output_tokens
+        return out
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprob | None
@@ -328,6 +389,7 @@ class Engine:
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self.speculator.release(seq.request_id)
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED

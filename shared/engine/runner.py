@@ -7,11 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from shared.engine.output import TokenLogprob
 from shared.engine.scheduler import ScheduledSeq
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
 from shared.sampling.batch import SamplingBatch
 from shared.sampling.sampler import SampleOutput, Sampler
+from shared.speculative.proposer import Draft
+from shared.speculative.verify import Verified, VerifyInput, verify
 
 
 @dataclass
@@ -21,6 +24,11 @@ class StepResult:
     # Per scheduled sequence that asked for prompt logprobs: logprob of each computed token
     # given the ones before it (positions whose successor was in this step).
     prompt_logprobs: dict[int, list[float]]
+    # Set instead of `samples` when the step verified drafts: per row of `sampled`, the
+    # accepted drafts plus one target token.
+    verified: list[Verified] | None = None
+    # With `verified`: row -> logprobs of its one token, for rows that asked (never drafted).
+    verified_logprobs: dict[int, TokenLogprob] | None = None
 
 
 class ModelRunner:
@@ -35,7 +43,10 @@ class ModelRunner:
         ids: list[int] = []
         for item in scheduled:
             start = item.seq.num_computed_tokens
-            ids.extend(item.seq.token_ids[start : start + item.num_tokens])
+            ids.extend(item.seq.token_ids[start : start + item.num_tokens - item.num_draft])
+            if item.num_draft:
+                assert item.seq.draft is not None
+                ids.extend(item.seq.draft.token_ids)
         meta = AttentionMetadata(
             query_lens=[s.num_tokens for s in scheduled],
             context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in scheduled],
@@ -50,7 +61,11 @@ class ModelRunner:
         sampled = [s for s in scheduled if s.completes_prompt]
         rows = [end for s, end in zip(scheduled, ends, strict=True) if s.completes_prompt]
         samples = None
-        if sampled:
+        verified = None
+        verified_logprobs = None
+        if sampled and any(s.num_draft for s in sampled):
+            verified, verified_logprobs = self._verify(sampled, hidden, rows)
+        elif sampled:
             logits = self.model.logits(hidden[rows])
             batch = SamplingBatch.build(
                 params=[s.seq.params for s in sampled],
@@ -64,7 +79,42 @@ class ModelRunner:
         for index, (item, end) in enumerate(zip(scheduled, ends, strict=True)):
             if index in want_prompt_logprobs:
                 prompt_logprobs[index] = self._chunk_logprobs(item, hidden, end)
-        return StepResult(sampled=sampled, samples=samples, prompt_logprobs=prompt_logprobs)
+        return StepResult(sampled, samples, prompt_logprobs, verified, verified_logprobs)
+
+    def _verify(
+        self, sampled: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int]
+    ) -> tuple[list[Verified], dict[int, TokenLogprob]]:
+        """Logits at every drafted position of every row, verified in one batch."""
+        rows: list[int] = []
+        logprob_rows: dict[int, int] = {}  # sampled row -> its logits row
+        items: list[VerifyInput] = []
+        for item, end in zip(sampled, ends, strict=True):
+            seq = item.seq
+            if seq.params.logprobs is not None and not item.num_draft:
+                logprob_rows[len(items)] = len(rows)
+            rows.extend(range(end - item.num_draft, end + 1))
+            draft = seq.draft if item.num_draft else None
+            items.append(
+                VerifyInput(
+                    seq.params,
+                    seq.generator,
+                    seq.prompt_token_ids,
+                    seq.output_token_ids,
+                    draft if draft is not None else Draft([]),
+                )
+            )
+        logits = self.model.logits(hidden[rows])
+        shared = self.sampler.shared_generator(self.device)
+        verified = verify(logits, items, self.sampler, shared)
+        logprobs: dict[int, TokenLogprob] = {}
+        for row, logits_row in logprob_rows.items():
+            raw = logits[logits_row].float().log_softmax(-1)
+            token = verified[row].token_ids[0]
+            n = min(items[row].params.logprobs or 0, raw.shape[-1])
+            values, ids = raw.topk(n) if n else (raw[:0], raw[:0].long())
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            logprobs[row] = TokenLogprob(token, float(raw[token]), top)
+        return verified, logprobs
 
     def _chunk_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, end: int) -> list[float]:
         """log p(token[i+1] | tokens[..i]) for chunk positions i whose successor is known."""

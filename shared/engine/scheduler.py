@@ -20,12 +20,15 @@ from shared.kvcache.block_manager import BlockManager
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # new tokens computed for this sequence in this step
+    num_tokens: int  # new tokens computed for this sequence in this step (drafts included)
+    num_draft: int = 0  # of which speculative drafts, placed after the sequence's tokens
 
     @property
     def completes_prompt(self) -> bool:
         """After this step the sequence's KV covers every token: its next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return (
+            self.seq.num_computed_tokens + self.num_tokens - self.num_draft == self.seq.num_tokens
+        )
 
 
 @dataclass
@@ -85,6 +88,11 @@ class Scheduler:
         queue = sorted(self.running, key=Sequence.sort_key)
         while queue and budget > 0:
             seq = queue.pop(0)
+            drafted = self._fit_draft(seq, budget)
+            if drafted:
+                out.scheduled.append(ScheduledSeq(seq, 1 + drafted, drafted))
+                budget -= 1 + drafted
+                continue
             n = min(seq.num_pending_tokens, budget)
             if self._grow(seq, n, queue, out):
                 out.scheduled.append(ScheduledSeq(seq, n))
@@ -105,6 +113,23 @@ class Scheduler:
         return out
 
     # -- internals -----------------------------------------------------------------------
+
+    def _fit_draft(self, seq: Sequence, budget: int) -> int:
+        """Reserve slots for the sequence's drafts if budget and free blocks allow: drafts
+        are optional, so they never preempt anyone (they are dropped instead)."""
+        k = min(seq.num_draft_tokens, budget - 1)
+        if k <= 0 or seq.num_pending_tokens != 1:
+            seq.draft = None
+            return 0
+        assert seq.table is not None and seq.draft is not None
+        target = max(seq.table.num_tokens, seq.num_tokens + k)
+        if not self.blocks.append_slots(seq.table, target):
+            seq.draft = None
+            return 0
+        if k < len(seq.draft.token_ids):
+            probs = seq.draft.probs[:k] if seq.draft.probs is not None else None
+            seq.draft = type(seq.draft)(seq.draft.token_ids[:k], probs)
+        return k
 
     def _grow(self, seq: Sequence, n: int, queue: list[Sequence], out: SchedulerOutput) -> bool:
         """Make room for n more tokens, preempting the least important others if needed."""

@@ -10,6 +10,7 @@ import torch
 
 from shared.kvcache.tables import BlockTable, SwappedBlocks
 from shared.sampling.params import SamplingParams
+from shared.speculative.proposer import Draft
 
 
 class SeqStatus(Enum):
@@ -39,6 +40,15 @@ class Sequence:
     max_new_tokens: int | None = None  # overrides params.max_tokens (prefill role: 1)
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Speculative decoding: tokens proposed for this step (verified after the last sampled
+    # token in one forward pass) and the source that proposed them. Set by the speculator
+    # each step, never carried over.
+    draft: Draft | None = None
+    draft_method: str | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft.token_ids) if self.draft is not None else 0
 
     @property
     def token_ids(self) -> list[int]:

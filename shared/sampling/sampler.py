@@ -113,6 +113,10 @@ class Sampler:
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from (speculative acceptance tests use it too)."""
+        return self._shared_generator(device)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
         if generator is None:

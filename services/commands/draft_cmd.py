@@ -1,0 +1,113 @@
+"""`splitserve draft train`: distil a speculative-decoding draft model from the target."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from services.commands.common import fail
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("draft", help="speculative-decoding draft models")
+    draft_sub = p.add_subparsers(dest="draft_command", metavar="SUBCOMMAND", required=True)
+    t = draft_sub.add_parser(
+        "train",
+        help="distil a small draft from the target's own replies (minutes of CPU)",
+        description="The target writes replies to chat prompts; a 1-2 layer draft with a reduced "
+        "vocabulary is trained to match its next-token distribution, then saved beside the "
+        "model where the decode pool finds it. Progress goes to stderr.",
+    )
+    t.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+    )
+    t.add_argument(
+        "--weights",
+        default="fp32",
+        choices=("fp32",),
+        help="the teacher's weight format (fp32: a draft distilled at fp32 serves every format)",
+    )
+    t.add_argument("--out", default=None, help="draft file (default: beside the model)")
+    t.add_argument(
+        "--prompts",
+        default=None,
+        help='JSONL of {"messages": [...]} or {"token_ids": [...]} (default: bundled set)',
+    )
+    t.add_argument("--max-minutes", type=float, default=10.0, help="wall-clock budget")
+    t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    t.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
+    t.add_argument(
+        "--layers",
+        default=None,
+        help="target layers to start from, e.g. 0,29 (default: first,last)",
+    )
+    t.add_argument("--max-new-tokens", type=int, default=160, help="reply length cap")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(handler=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if not args.max_minutes > 0:
+        return fail(f"--max-minutes must be > 0, got {args.max_minutes}")
+    if args.threads < 1:
+        return fail(f"--threads must be >= 1, got {args.threads}")
+    if not 16 <= args.vocab_size <= 65536:
+        return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
+    if args.max_new_tokens < 1:
+        return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    layers = None
+    if args.layers:
+        try:
+            layers = tuple(int(x) for x in args.layers.split(","))
+        except ValueError:
+            return fail(f"--layers must be comma-separated layer numbers, got {args.layers!r}")
+
+    import torch
+
+    from shared.model.config import ModelFileError
+    from shared.model.loader import default_model_path, read_checkpoint
+    from shared.speculative.draft_data import DEFAULT_PROMPTS, PromptFileError, load_prompts
+    from shared.speculative.draft_file import trained_draft_path
+    from shared.speculative.draft_train import TrainConfig, train_draft
+    from shared.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    try:
+        path = args.model or default_model_path()
+        checkpoint = read_checkpoint(path)
+        tokenizer = None if os.path.isdir(path) else Tokenizer.from_gguf(path)
+        prompts = load_prompts(args.prompts or DEFAULT_PROMPTS, tokenizer)
+    except (ModelFileError, PromptFileError, FileNotFoundError, ValueError) as exc:
+        return fail(str(exc))
+    if tokenizer is not None and tokenizer.vocab_size != checkpoint.config.vocab_size:
+        return fail(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+            f"{checkpoint.config.vocab_size}"
+        )
+    # A HF folder carries no tokenizer we read; its drafts are keyed to the model file instead.
+    fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
+    out = args.out or trained_draft_path(path)
+    config = TrainConfig(
+        max_minutes=args.max_minutes,
+        draft_vocab_size=args.vocab_size,
+        source_layers=layers,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
+    try:
+        report = train_draft(checkpoint, prompts, out, fingerprint, stop_ids, config, log=_stderr)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    size_mb = report.path.stat().st_size / 1e6
+    print(
+        f"{report.path} ({size_mb:.1f} MB): held-out top-1 agreement "
+        f"{report.heldout_agreement:.3f} after {report.steps} steps on "
+        f"{report.train_tokens} reply tokens"
+    )
+    return 0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,39 @@
+"""Speculative decoding settings of one model's decode replicas (part of the deployment schema)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SpecMethod = Literal["none", "ngram", "draft", "adaptive"]
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: SpecMethod = "none"
+    num_speculative_tokens: int = Field(
+        4, description=f"most drafted tokens verified per step, 0..{MAX_SPECULATIVE_TOKENS}"
+    )
+    draft_path: str | None = Field(
+        None, description="trained draft file; None = the default location beside the model"
+    )
+    ngram_max: int = Field(4, ge=1, le=16)
+    ngram_min: int = Field(1, ge=1, le=16)
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k_range(cls, v: int) -> int:
+        if not 0 <= v <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {v}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _ngram_order(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
+        return self

@@ -1,0 +1,1 @@
+"""Speculative draft-and-verify decoding: draft sources, verification and adaptive choice."""

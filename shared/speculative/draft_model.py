@@ -1,0 +1,211 @@
+"""A small dense Llama decoder for drafting, cut out of the target and then distilled.
+
+Why this shape (and not an EAGLE head): the engine's runner does not expose the target's hidden
+states, so the draft must stand alone and see only token ids. On the 2-core CPU a target step
+reads ~540 MB of fp32 weights (~20-40 ms); the draft must make k=4-8 guesses in a small fraction
+of that, so it keeps the target's width (its layers can then start as copies of target layers,
+which is what makes minutes of distillation enough) but only 1-2 layers, and a *reduced
+vocabulary*: the N most frequent tokens of the target's own outputs. A full 49152-row output
+head alone would cost as much as ~8 target layers per guess; N=4096 rows cost a tenth of that.
+The draft's q is zero outside its vocabulary, which keeps rejection sampling exact (the verifier
+simply never accepts what q cannot propose). Input ids outside the vocabulary share one learned
+"unknown" row. Input and output embeddings are tied, as in the target, to halve the file.
+
+The same module, built with every layer and the full vocabulary, is the *teacher* the trainer
+generates with: one dense batched implementation serves both (see draft_data.py).
+
+Layout: batched [B, heads, T, head_dim]; a dense per-batch KV cache (`BatchKV`) where row b
+holds positions [0, len_b) and a step writes at positions start_b + t (so rows of different
+lengths share one tensor, and padding past a row's end is simply never attended).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.gguf_file import Checkpoint
+from shared.model.llama import RotaryEmbedding, rms_norm
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int  # output rows (draft vocabulary); the input table has one more (unknown)
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    source_layers: tuple[int, ...]  # which target layers the draft layers started from
+    tied: bool = True  # the output head is the input table's first vocab_size rows
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DraftConfig:
+        data = dict(data)
+        data["source_layers"] = tuple(data["source_layers"])
+        return cls(**data)
+
+    @property
+    def unk_id(self) -> int:
+        return self.vocab_size
+
+
+@dataclass
+class BatchKV:
+    """Per-layer keys/values [B, kv_heads, capacity, head_dim]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, config: DraftConfig, batch: int, capacity: int) -> BatchKV:
+        shape = (batch, config.num_kv_heads, capacity, config.head_dim)
+        return cls(
+            keys=[torch.zeros(shape) for _ in range(config.num_layers)],
+            values=[torch.zeros(shape) for _ in range(config.num_layers)],
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        d = c.head_dim
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
+        self.post_attention_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class DraftModel(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed = nn.Parameter(torch.zeros(c.vocab_size + 1, c.hidden_size))
+        self.head = None if c.tied else nn.Parameter(torch.zeros(c.vocab_size, c.hidden_size))
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position, torch.device("cpu"))
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed[: self.config.vocab_size] if self.head is None else self.head
+
+    def forward(
+        self, ids: torch.Tensor, start: torch.Tensor | None = None, kv: BatchKV | None = None
+    ) -> torch.Tensor:
+        """ids [B, T] draft ids -> final-norm hidden [B, T, hidden].
+
+        Without `kv`: plain causal attention over the T tokens (training). With `kv`: row b's
+        tokens sit at positions start[b] + t; their K/V are written there and each attends to
+        every cached position at or before its own.
+        """
+        c = self.config
+        b, t = ids.shape
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        offsets = torch.arange(t)
+        positions = offsets[None, :].expand(b, t) if start is None else start[:, None] + offsets
+        cos = self.rope.cos[positions][:, None]  # [B, 1, T, d]
+        sin = self.rope.sin[positions][:, None]
+        mask = None
+        if kv is not None:
+            used = int(positions.max()) + 1
+            rows = torch.arange(b)[:, None]
+            mask = (torch.arange(used)[None, None, :] <= positions[:, :, None])[:, None]
+        x = self.embed[ids]
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)
+            qk = RotaryEmbedding.apply(qkv[:, : hq + hkv], cos, sin)
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+            if kv is None:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                keys, values = kv.keys[index], kv.values[index]
+                keys[rows, :, positions] = k.transpose(1, 2).to(keys.dtype)
+                values[rows, :, positions] = v.transpose(1, 2).to(values.dtype)
+                attn = _cached_attention(q, keys[:, :, :used], values[:, :, :used], mask)
+            x = x + layer.o_proj(attn.transpose(1, 2).reshape(b, t, hq * d))
+            h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight)
+
+
+def _cached_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """q [B, hq, T, d], keys/values [B, hkv, S, d], mask [B, 1, T, S] -> [B, hq, T, d].
+
+    Spelled out: torch's CPU SDPA with a mask and GQA was measured 4x slower at B=16, T=1 than
+    this (it has no fast path for few queries); grouping the query heads that share a KV head
+    into the row dimension turns GQA into two plain batched matmuls.
+    """
+    b, hq, t, d = q.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    scores = (q.reshape(b, hkv, g * t, d) @ keys.transpose(-1, -2)).view(b, hkv, g, t, s)
+    scores = scores.mul_(d**-0.5).masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, g * t, s)
+    return (probs @ values).view(b, hq, t, d)
+
+
+def model_from_checkpoint(
+    checkpoint: Checkpoint, source_layers: tuple[int, ...], vocab_ids: torch.Tensor | None
+) -> DraftModel:
+    """Copy target layers `source_layers` (and the embedding rows `vocab_ids`, or all rows when
+    None, which with every layer gives the full target as a teacher) into a DraftModel."""
+    tc = checkpoint.config
+    t = checkpoint.tensors
+    rows = vocab_ids if vocab_ids is not None else torch.arange(tc.vocab_size)
+    tied = tc.tie_embeddings or vocab_ids is not None
+    config = DraftConfig(
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_heads=tc.num_heads,
+        num_kv_heads=tc.num_kv_heads,
+        head_dim=tc.head_dim,
+        num_layers=len(source_layers),
+        vocab_size=len(rows),
+        rope_theta=tc.rope_theta,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position=tc.max_position,
+        source_layers=tuple(source_layers),
+        tied=tied,
+    )
+    model = DraftModel(config)
+    with torch.no_grad():
+        embed = t["embed_tokens"][rows]
+        # The unknown row starts as the mean embedding: a neutral "some other word".
+        model.embed.copy_(torch.cat([embed, embed.mean(0, keepdim=True)]))
+        if model.head is not None:
+            model.head.copy_(t["lm_head"][rows])
+        model.norm.copy_(t["norm"])
+        for layer, src in zip(model.layers, source_layers, strict=True):
+            p = f"layers.{src}."
+            layer.input_norm.copy_(t[p + "input_norm"])
+            layer.post_attention_norm.copy_(t[p + "post_attention_norm"])
+            layer.qkv.weight.copy_(torch.cat([t[p + n] for n in ("q_proj", "k_proj", "v_proj")]))
+            layer.o_proj.weight.copy_(t[p + "o_proj"])
+            layer.gate_up.weight.copy_(torch.cat([t[p + "gate_proj"], t[p + "up_proj"]]))
+            layer.down.weight.copy_(t[p + "down_proj"])
+    return model

@@ -1,0 +1,62 @@
+"""Building the engine's speculator, loading the trained draft when the method wants one.
+
+A draft that cannot be used (module absent, file missing, corrupt, or built for another
+tokenizer) never stops the replica: it starts with model-free speculation and says why in its
+log and in `spec_stats()["draft_unavailable"]`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from shared.engine.config import EngineConfig
+from shared.speculative.proposer import DraftProposer
+from shared.speculative.speculator import Speculator
+
+log = logging.getLogger(__name__)
+
+
+def build_speculator(
+    config: EngineConfig,
+    max_model_len: int,
+    model_path: str | None,
+    tokenizer_fingerprint: str,
+    vocab_size: int,
+    draft: DraftProposer | None = None,
+) -> Speculator:
+    """``draft`` injects a ready proposer (tests, benchmarks) instead of loading one."""
+    reason = None
+    if draft is None and config.speculative_method in ("draft", "adaptive"):
+        draft, reason = _load_draft(config, model_path, tokenizer_fingerprint, vocab_size)
+        if reason is not None:
+            log.warning("speculative decoding without a draft model (n-gram only): %s", reason)
+    return Speculator(config, max_model_len, draft, reason)
+
+
+def _load_draft(
+    config: EngineConfig, model_path: str | None, fingerprint: str, vocab_size: int
+) -> tuple[DraftProposer | None, str | None]:
+    if importlib.util.find_spec("shared.speculative.draft_proposer") is None:
+        return None, "the draft-model module (shared.speculative.draft_proposer) is not installed"
+    from shared.speculative.draft_file import DraftLoadError, draft_path_for
+    from shared.speculative.draft_proposer import load_draft_proposer
+
+    if config.draft_path is not None:
+        path = Path(config.draft_path)
+    else:
+        if model_path is None:
+            from shared.model.loader import default_model_path
+
+            model_path = default_model_path()
+        path = Path(draft_path_for(model_path))
+    if not path.is_file():
+        return None, f"no draft file at {path} (train one with `splitserve draft train`)"
+    try:
+        proposer = load_draft_proposer(
+            path, fingerprint, vocab_size, device=config.device, num_threads=config.num_threads
+        )
+    except DraftLoadError as exc:
+        return None, str(exc)
+    return proposer, None

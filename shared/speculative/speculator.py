@@ -1,0 +1,166 @@
+"""The engine's speculation front end: which decoding sequences get drafts, how many, from where.
+
+Called once per step before scheduling. Sets ``seq.draft`` on decoding sequences (the scheduler
+reserves KV slots for them, the runner verifies them) and learns from each verified step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from shared.engine.config import EngineConfig
+from shared.engine.sequence import Sequence
+from shared.speculative.adaptive import (
+    AcceptanceTracker,
+    Candidate,
+    StepCostModel,
+    choose_k,
+    expected_tokens,
+)
+from shared.speculative.ngram import NgramProposer
+from shared.speculative.proposer import Draft, DraftProposer, DraftRequest
+from shared.speculative.stats import SpecStats
+
+log = logging.getLogger(__name__)
+
+# k + 1 query tokens must stay on the attention backend's batched (padded) path.
+MAX_VERIFY_DRAFTS = 15
+# Seconds of drafting per proposed token assumed before a model draft has been timed.
+PRIOR_DRAFT_COST = 0.002
+
+
+@dataclass
+class _Choice:
+    seq: Sequence
+    method: str  # "ngram" | "draft"
+    k: int
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        draft: DraftProposer | None = None,
+        draft_unavailable: str | None = None,
+    ):
+        self.method = config.speculative_method
+        self.max_k = min(config.num_speculative_tokens, MAX_VERIFY_DRAFTS)
+        self.max_model_len = max_model_len
+        self.ngram = NgramProposer(config.ngram_max, config.ngram_min)
+        self.draft = draft
+        self.stats = SpecStats(method=self.method, draft_unavailable=draft_unavailable)
+        self.acceptance = AcceptanceTracker()
+        self.cost = StepCostModel()
+        self._draft_cost: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.max_k > 0
+
+    def plan(self, running: list[Sequence]) -> None:
+        """Attach drafts to the decoding sequences in ``running`` (clearing stale ones)."""
+        decoding: list[tuple[Sequence, int]] = []
+        for seq in running:
+            seq.draft = None
+            limit = self._room(seq)
+            if limit > 0:
+                decoding.append((seq, limit))
+        if not decoding:
+            return
+        if self.method == "draft" and self.draft is None:
+            choices = self._ngram_or_adaptive(decoding, "ngram")  # the draft failed to load
+        elif self.method == "draft":
+            choices = [_Choice(s, "draft", lim) for s, lim in decoding] if self.draft else []
+        else:
+            choices = self._ngram_or_adaptive(decoding, self.method)
+        self._propose_model_drafts([c for c in choices if c.method == "draft" and c.k > 0])
+        chosen = {id(c.seq) for c in choices if c.seq.draft is not None and len(c.seq.draft)}
+        self.stats.plain_steps += sum(1 for s, _ in decoding if id(s) not in chosen)
+
+    def record(self, seq: Sequence, accepted: int) -> None:
+        draft, method = seq.draft, seq.draft_method
+        if draft is None or method is None or not len(draft):
+            return
+        self.stats.record(method, len(draft), accepted)
+        self.acceptance.observe(seq.request_id, method, len(draft), accepted)
+        if method == "draft" and self.draft is not None and accepted < len(draft):
+            # Called before the accepted tokens are appended to the sequence.
+            self.draft.rollback(seq.request_id, seq.num_tokens + accepted)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.cost.observe(num_tokens, seconds)
+
+    def release(self, request_id: str) -> None:
+        self.ngram.release(request_id)
+        self.acceptance.release(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts this sequence may take: 0 unless it is decoding and can use them."""
+        if seq.num_pending_tokens != 1 or not seq.output_token_ids or seq.params.logprobs:
+            return 0
+        # Drafts past max_tokens or the context window could never be emitted.
+        left = min(
+            seq.output_limit - len(seq.output_token_ids), self.max_model_len - seq.num_tokens
+        )
+        return max(0, min(self.max_k, left - 1))
+
+    def _ngram_or_adaptive(
+        self, decoding: list[tuple[Sequence, int]], method: str
+    ) -> list[_Choice]:
+        requests = [DraftRequest(s.request_id, s.token_ids, lim) for s, lim in decoding]
+        drafts = self.ngram.propose(requests, [not s.params.is_greedy for s, _ in decoding])
+        if method == "ngram":
+            for (seq, _), draft in zip(decoding, drafts, strict=True):
+                seq.draft, seq.draft_method = draft, "ngram"
+            return [_Choice(s, "ngram", len(d)) for (s, _), d in zip(decoding, drafts, strict=True)]
+        choices: list[_Choice] = []
+        candidates: list[Candidate] = []
+        draft_cost = self._draft_cost if self._draft_cost is not None else PRIOR_DRAFT_COST
+        for (seq, limit), draft in zip(decoding, drafts, strict=True):
+            a_ngram = self.acceptance.alpha(seq.request_id, "ngram")
+            use_model = self.draft is not None
+            if use_model and len(draft):
+                # Tokens per second of this row alone: an n-gram draft is free, a model draft
+                # adds its drafting time to the step.
+                a_model = self.acceptance.alpha(seq.request_id, "draft")
+                step = self.cost.cost(len(decoding))
+                model_rate = expected_tokens(a_model, limit) / (step + draft_cost * limit)
+                use_model = model_rate > expected_tokens(a_ngram, len(draft)) / step
+            if use_model:
+                choices.append(_Choice(seq, "draft", limit))
+                candidates.append(
+                    Candidate(self.acceptance.alpha(seq.request_id, "draft"), limit, draft_cost)
+                )
+            else:
+                seq.draft, seq.draft_method = draft, "ngram"
+                choices.append(_Choice(seq, "ngram", len(draft)))
+                candidates.append(Candidate(a_ngram, len(draft)))
+        for choice, k in zip(choices, choose_k(candidates, self.max_k, self.cost), strict=True):
+            choice.k = k
+            if choice.method == "ngram":
+                assert choice.seq.draft is not None
+                choice.seq.draft = Draft(choice.seq.draft.token_ids[:k])
+        return choices
+
+    def _propose_model_drafts(self, choices: list[_Choice]) -> None:
+        if not choices or self.draft is None:
+            return
+        requests = [DraftRequest(c.seq.request_id, c.seq.token_ids, c.k) for c in choices]
+        start = time.perf_counter()
+        drafts = self.draft.propose(requests, [not c.seq.params.is_greedy for c in choices])
+        per_token = (time.perf_counter() - start) / max(c.k for c in choices)
+        self._draft_cost = (
+            per_token if self._draft_cost is None else 0.8 * self._draft_cost + 0.2 * per_token
+        )
+        for choice, draft in zip(choices, drafts, strict=True):
+            if len(draft) > choice.k:  # a proposer must not exceed max_tokens; trust but trim
+                probs = draft.probs[: choice.k] if draft.probs is not None else None
+                draft = Draft(draft.token_ids[: choice.k], probs)
+            choice.seq.draft, choice.seq.draft_method = draft, "draft"

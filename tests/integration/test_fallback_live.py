@@ -1,0 +1,91 @@
+"""Fallback through the real stack: one replica stalls its first token (fault injection, a
+test-only knob), the coordinator cancels it at the TTFT deadline and the next model answers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from services.launcher import start_local_stack
+from shared.config.schema import parse_config
+
+pytestmark = pytest.mark.real_model
+
+SLOW, FAST = "smol-stalled", "smol-healthy"
+STALL_MS = 20_000  # far past the deadline: only a cancelled attempt can answer in time
+DEADLINE_MS = 1500
+
+
+def _model(model_id: str, stall_ms: int) -> dict:
+    return {
+        "id": model_id,
+        "weights": "fp32",
+        "pools": {"prefill": 0, "decode": 0, "both": 1},
+        "worker": {
+            "kv_cache_bytes": 64 << 20,
+            "host_cache_bytes": 0,
+            "threads": 1,
+            "fault_injection": {"first_token_delay_ms": stall_ms},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def stack():
+    config = {
+        "coordinator": {"port": 0, "registry_port": 0},
+        "transfer": {"backend": "shm"},
+        "models": [_model(SLOW, STALL_MS), _model(FAST, 0)],
+        "routers": {
+            "resilient": {"models": [SLOW, FAST], "fallback": {"ttft_timeout": DEADLINE_MS}}
+        },
+    }
+    with start_local_stack(parse_config(config), startup_timeout_s=240) as running:
+        yield running
+
+
+def _body(**extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def test_stalled_model_is_cancelled_and_the_next_one_answers(stack):
+    body = _body(model="router/resilient", stream=True, stream_options={"include_usage": True})
+    events = []
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    first, last = events[0], events[-1]
+    for event in (first, last):
+        attempts = json.loads(event["metadata"]["attempts"])
+        assert [(a["model"], a["success"]) for a in attempts] == [(SLOW, False), (FAST, True)]
+        assert f"{DEADLINE_MS} ms" in attempts[0]["error"]
+        assert attempts[1]["replica"] and attempts[1]["ttft_ms"] < STALL_MS
+        reasoning = json.loads(event["metadata"]["reasoning"])
+        assert any("missed the 1500 ms TTFT deadline" in line for line in reasoning)
+    assert first["model"] == FAST
+    assert json.loads(last["metadata"]["cost"])["total_usd"] > 0
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    assert text
+
+
+def test_request_level_models_list_falls_back_without_a_saved_router(stack):
+    response = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        json=_body(models=[SLOW, FAST], fallback={"ttft_timeout": DEADLINE_MS}),
+        timeout=60,
+    )
+    assert response.status_code == 200
+    data = response.json()
+    assert data["model"] == FAST
+    assert data["service_tier"] == "default"
+    attempts = json.loads(data["metadata"]["attempts"])
+    assert attempts[0]["model"] == SLOW and not attempts[0]["success"]

@@ -1,0 +1,164 @@
+"""Cancellation through the real gRPC path (in-process fleet, tiny model): a consumer that
+stops reading frees the request's blocks on every replica, whatever stage it was in, and
+the fault-injection knob delays a replica's first token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from services.worker.convert import params_to_proto
+from shared.proto_gen import worker_pb2 as pb
+from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from tests.unit.test_migration_backend import (
+    Fleet,
+    collect,
+    fleet_config,
+    request,
+    start_fleet,
+    tiny_folder,  # noqa: F401 - the fixture
+)
+
+
+async def free_blocks(fleet: Fleet) -> dict[str, int]:
+    return {wid: (await r.stats())["load"]["free_blocks"] for wid, r in fleet.replicas.items()}
+
+
+async def settled(fleet: Fleet, start: dict[str, int], timeout_s: float = 5.0) -> dict:
+    """Wait until every replica is idle with its starting free blocks; return the last stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {wid: await r.stats() for wid, r in fleet.replicas.items()}
+        idle = all(
+            s["load"]["running"] == 0
+            and s["load"]["waiting"] == 0
+            and s["parked_kv"] == 0
+            and s["load"]["free_blocks"] == start[wid]
+            for wid, s in stats.items()
+        )
+        if idle or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+async def consume_then_leave(fleet: Fleet, rid: str, n_chunks: int) -> int:
+    got = 0
+    stream = fleet.backend.generate(request(rid, 200))
+    async with contextlib.aclosing(stream):
+        async for _chunk in stream:
+            got += 1
+            if got >= n_chunks:
+                break
+    return got
+
+
+def assert_settled(stats: dict, start: dict[str, int]) -> None:
+    for wid, s in stats.items():
+        assert s["load"]["running"] == 0 and s["load"]["waiting"] == 0, (wid, s["load"])
+        assert s["parked_kv"] == 0, wid
+        assert s["load"]["free_blocks"] == start[wid], (wid, s["load"], start[wid])
+
+
+def test_leaving_mid_decode_frees_blocks_everywhere(tiny_folder, real_tokenizer):  # noqa: F811
+    async def main():
+        fleet = await start_fleet(
+            fleet_config(tiny_folder, {"prefill": 1, "decode": 1}), real_tokenizer
+        )
+        try:
+            start = await free_blocks(fleet)
+            got = await consume_then_leave(fleet, "leaver", 3)
+            return got, start, await settled(fleet, start)
+        finally:
+            await fleet.close()
+
+    got, start, stats = asyncio.run(main())
+    assert got == 3
+    assert_settled(stats, start)
+
+
+def test_leaving_during_prefill_frees_blocks_everywhere(tiny_folder, real_tokenizer):  # noqa: F811
+    """The first token is held back (fault injection) so the client leaves mid-prefill."""
+
+    async def main():
+        config = fleet_config(
+            tiny_folder, {"prefill": 1, "decode": 1}, fault_injection={"first_token_delay_ms": 300}
+        )
+        fleet = await start_fleet(config, real_tokenizer)
+        try:
+            start = await free_blocks(fleet)
+            task = asyncio.create_task(collect(fleet.backend, request("early", 50)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return start, await settled(fleet, start)
+        finally:
+            await fleet.close()
+
+    start, stats = asyncio.run(main())
+    assert_settled(stats, start)
+
+
+def test_abort_before_the_kv_arrives_refuses_it(tiny_folder, real_tokenizer):  # noqa: F811
+    """An Abort that overtakes the prefill: the decode replica must not keep KV for it."""
+
+    async def main():
+        fleet = await start_fleet(
+            fleet_config(tiny_folder, {"prefill": 1, "decode": 1}), real_tokenizer
+        )
+        try:
+            start = await free_blocks(fleet)
+            (prefill,) = fleet.role("prefill")
+            (decode,) = fleet.role("decode")
+            async with grpc.aio.insecure_channel(decode.info.address) as channel:
+                await pb_grpc.WorkerStub(channel).Abort(pb.AbortRequest(request_id="late"))
+            req = request("late", 10)
+            spec = pb.GenerateSpec(
+                request_id="late",
+                model=req.model,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=params_to_proto(req.params),
+            )
+            async with grpc.aio.insecure_channel(prefill.info.address) as channel:
+                resp = await pb_grpc.WorkerStub(channel).Prefill(
+                    pb.PrefillRequest(
+                        spec=spec,
+                        destination=pb.KVDestination(
+                            control_address=decode.info.address,
+                            agent_name=decode.info.transfer_agent,
+                            deadline_s=5.0,
+                        ),
+                    )
+                )
+            return resp, start, await settled(fleet, start)
+        finally:
+            await fleet.close()
+
+    resp, start, stats = asyncio.run(main())
+    assert resp.transfer.status == "failed"
+    assert "cancelled" in resp.transfer.error
+    assert_settled(stats, start)
+
+
+def test_first_token_delay_fault_holds_the_first_token(tiny_folder, real_tokenizer):  # noqa: F811
+    async def main():
+        config = fleet_config(
+            tiny_folder, {"prefill": 1, "decode": 1}, fault_injection={"first_token_delay_ms": 400}
+        )
+        fleet = await start_fleet(config, real_tokenizer)
+        try:
+            start = time.monotonic()
+            first_at = None
+            async for chunk in fleet.backend.generate(request("slow", 4)):
+                first_at = first_at or time.monotonic() - start
+                if chunk.finished:
+                    break
+            return first_at
+        finally:
+            await fleet.close()
+
+    first_at = asyncio.run(main())
+    assert first_at is not None and first_at >= 0.4
