@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -98,11 +99,10 @@ class APIMetrics:
         """`metadata` is the response's: `attempts` (one entry per model tried, so fallbacks
         are all but the first; or a `fallback_attempts` count) and `migrations` (a list of
         moves or a count); absent means none."""
-        attempts = metadata.get("attempts")
-        if isinstance(attempts, list) and attempts:
-            fallbacks = len(attempts) - 1
-        else:
-            fallbacks = _count_value(metadata.get("fallback_attempts"))
+        fallbacks = max(
+            _count_value(metadata.get("attempts")) - 1,
+            _count_value(metadata.get("fallback_attempts")),
+        )
         attempt = min(1 + fallbacks, _MAX_ATTEMPT_LABEL)
         attempt_label = f"{attempt}+" if attempt == _MAX_ATTEMPT_LABEL else str(attempt)
         self.outcomes.labels(model, tier, outcome_of(status), attempt_label).inc()
@@ -127,6 +127,11 @@ def outcome_of(status: int | str) -> str:
 
 
 def _count_value(value: Any) -> int:
+    if isinstance(value, str) and value.startswith("["):  # metadata values are strings
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return 0
     if isinstance(value, list | tuple):
         return len(value)
     try:

@@ -120,9 +120,9 @@ class RequestTrace:
         for key, name in A.METADATA_ATTRIBUTES.items():
             if key in metadata:
                 self.span.set_attribute(name, _number(metadata[key]))
-        attempts = metadata.get("attempts")
-        if isinstance(attempts, list) and attempts:  # every model tried after the first
-            self.span.set_attribute(A.FALLBACK_ATTEMPTS, len(attempts) - 1)
+        attempts = _number(metadata.get("attempts", 0))
+        if isinstance(attempts, int) and attempts > 1:  # every model tried after the first
+            self.span.set_attribute(A.FALLBACK_ATTEMPTS, attempts - 1)
         if self.capture_content:
             self.span.set_attribute(A.OUTPUT_MESSAGES, json.dumps(outputs, ensure_ascii=False))
 
@@ -151,7 +151,13 @@ class RequestTrace:
 
 
 def _number(value: Any) -> int | str:
-    """A count for a span attribute: lists (attempts, migrations) count their entries."""
+    """A count for a span attribute: lists (attempts, migrations; JSON-encoded when they
+    come from a response's string-valued metadata) count their entries."""
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
     if isinstance(value, list | tuple):
         return len(value)
     try:

@@ -89,6 +89,9 @@ def test_kill_decode_mid_stream_migrates_and_text_is_unchanged(stack):
     base_usage = next(e["usage"] for e in reversed(baseline) if e.get("usage"))
     assert usage["prompt_tokens"] == base_usage["prompt_tokens"]
     assert usage["completion_tokens"] == base_usage["completion_tokens"]
+    # The coordinator marked the dead replica and routes around it from now on.
+    health = httpx.get(f"{stack.url}/ready", timeout=10).json()
+    assert health["workers"][victim]["alive"] is False
 
 
 def test_no_decode_left_ends_with_a_clear_error(stack):

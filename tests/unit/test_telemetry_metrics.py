@@ -182,3 +182,15 @@ def test_every_dashboard_query_names_a_registered_metric(registries):
         "request_outcomes",  # errors
     ):
         assert topic in text, topic
+
+
+def test_attempts_and_migrations_given_as_json_lists():
+    metrics = APIMetrics()
+    attempts = '[{"model": "a", "success": false}, {"model": "b", "success": true}]'
+    metrics.count_outcome("m", "default", 200, {"attempts": attempts, "migrations": "[{}, {}]"})
+    text = metrics.render().decode()
+    assert (
+        'splitserve_request_outcomes_total{attempt="2",model="m",outcome="success",tier="default"} 1.0'
+        in text
+    )
+    assert 'splitserve_request_migrations_total{model="m",tier="default"} 2.0' in text
