@@ -290,3 +290,33 @@ def _fleet_figure(
     ax.set_yscale("log")
     ax.legend()
     return fig
+
+
+def write_spec_plots(result: dict[str, Any], directory: str | Path) -> list[Path]:
+    """`bench spec`: decode tok/s of every set/method/batch as bars, and the accepted-draft
+    histogram of each speculating method (over both sets and batch sizes)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = {
+        f"{s}.{m}.{b}": float(fig["tok_s"])
+        for s, methods in (result.get("sets") or {}).items()
+        for m, batches in methods.items()
+        for b, fig in batches.items()
+    }
+    written = []
+    if rates:
+        fig, ax = _figure()
+        labels = sorted(rates)
+        ax.barh(labels, [rates[k] for k in labels])
+        ax.set_title("spec: decode tokens/s per prompt set, method and batch")
+        ax.set_xlabel("tokens/s")
+        path = out / "spec_tok_s.png"
+        _save(fig, path)
+        written.append(path)
+    for method, hist in (result.get("acceptance_histograms") or {}).items():
+        histogram = _acceptance(hist)
+        if sum(histogram.values()):
+            path = out / f"spec_{_slug(method)}_acceptance_histogram.png"
+            _save(_bars(histogram, f"spec ({method}): accepted draft tokens per step"), path)
+            written.append(path)
+    return written

@@ -91,8 +91,8 @@ class ResponseState:
             },
         }
 
-    def metadata(self) -> dict[str, str]:
-        """OpenAI types `metadata` as string -> string; structured values travel as JSON."""
+    def structured_metadata(self) -> dict[str, Any]:
+        """The metadata with lists and objects as they are: for metrics and spans."""
         merged: dict[str, Any] = {
             "request_id": self.plan.response_id,
             "replica": ",".join(self._replicas) if self._replicas else None,
@@ -102,7 +102,11 @@ class ResponseState:
         if self.price is not None and self.finished:
             # Only once the usage is final: a partial cost on a first chunk would mislead.
             merged["cost"] = response_cost(self.usage(), self.plan.tier, self.price)
-        return {key: _as_string(value) for key, value in merged.items() if value is not None}
+        return {key: value for key, value in merged.items() if value is not None}
+
+    def metadata(self) -> dict[str, str]:
+        """OpenAI types `metadata` as string -> string; structured values travel as JSON."""
+        return {key: _as_string(value) for key, value in self.structured_metadata().items()}
 
 
 def _as_string(value: Any) -> str:

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -233,7 +234,7 @@ class GenerationHandler:
         if outcome == 200:
             elapsed = time.monotonic() - progress.started
             self.metrics.e2e.labels(progress.model, progress.tier).observe(elapsed)
-        metadata = state.metadata()
+        metadata = state.structured_metadata()  # counted by metrics and spans as lists
         if progress.trace is not None:
             progress.trace.record_result(
                 input_tokens=usage["prompt_tokens"],
@@ -250,7 +251,7 @@ class GenerationHandler:
         progress: _Progress,
         endpoint: str,
         status: int | str,
-        metadata: dict[str, str] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         self.metrics.count_request(progress.model, progress.tier, endpoint, status)
         self.metrics.count_outcome(progress.model, progress.tier, status, metadata or {})

@@ -136,7 +136,13 @@ async def serve_coordinator(
     grpc_server.add_insecure_port(f"{host}:{c.registry_port}")
     await grpc_server.start()
     tracing = Tracing.from_config(config.telemetry, "splitserve-coordinator")
-    backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
+    backend = GrpcBackend(
+        registry,
+        infos,
+        config.transfer.deadline_s,
+        tracing.tracer,
+        max_migrations=config.coordinator.max_migrations,
+    )
     settings = api_settings(config)
     app = create_app(backend, settings, tracing)
     server = uvicorn.Server(

@@ -75,6 +75,7 @@ class WorkerRuntime:
         self.worker_id = f"{model_id}-{role}-{index}-{socket.gethostname()}-{os.getpid()}"
         path = self.model_cfg.path or default_model_path()
         worker = self.model_cfg.worker
+        spec = self.model_cfg.speculative
         threads = worker.threads or max(1, (os.cpu_count() or 1) // max(1, config.num_workers))
         self.engine_config = EngineConfig(
             model=path,
@@ -90,6 +91,11 @@ class WorkerRuntime:
             max_model_len=self.model_cfg.max_model_len,
             preemption_mode=worker.preemption_mode,
             num_threads=threads,
+            speculative_method=spec.method,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            draft_path=spec.draft_path,
+            ngram_max=spec.ngram_max,
+            ngram_min=spec.ngram_min,
         )
         # A cheaper build serves only if it passed the quality gate against fp32.
         require_gate(self.model_cfg.weights, model=self.model_cfg.path)

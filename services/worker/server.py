@@ -82,6 +82,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "load": rt.engine.load(),
             "prefix_cache": vars(blocks.stats),
             "parked_kv": len(rt.parked),
+            "speculative": rt.engine.spec_stats(),
         }
         return pb.StatsResponse(json=json.dumps(stats, default=str))
 

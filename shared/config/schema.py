@@ -89,6 +89,9 @@ class CoordinatorConfig(_Strict):
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     api_keys_file: str | None = Field(None, description="one key per line; none = no auth")
+    max_migrations: int = Field(
+        2, ge=0, description="moves of one stream to another decode replica before giving up"
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> CoordinatorConfig:

@@ -16,13 +16,18 @@ from pathlib import Path
 import torch
 
 from shared.speculative.draft_data import target_to_draft_map
-from shared.speculative.draft_file import DraftLoadError, check_compatible, read_draft
+from shared.speculative.draft_file import (
+    DraftLoadError,
+    check_compatible,
+    draft_path_for,
+    read_draft,
+)
 from shared.speculative.draft_model import BatchKV, DraftModel
 from shared.speculative.proposer import Draft, DraftRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DraftLoadError", "ModelDraftProposer", "load_draft_proposer"]
+__all__ = ["DraftLoadError", "ModelDraftProposer", "draft_path_for", "load_draft_proposer"]
 
 
 @dataclass
@@ -74,14 +79,17 @@ class ModelDraftProposer:
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], sampling: list[bool]) -> list[Draft]:
         drafts = [Draft(token_ids=[]) for _ in requests]
-        active = [i for i, r in enumerate(requests) if r.max_tokens > 0 and r.token_ids]
+        # Guesses past the draft's RoPE table could never be verified either (same max position).
+        room = self.model.config.max_position
+        limits = [min(r.max_tokens, room - len(r.token_ids)) for r in requests]
+        active = [i for i, r in enumerate(requests) if limits[i] > 0 and r.token_ids]
         if not active:
             return drafts
         reqs = [requests[i] for i in active]
         caches = [self._sync(r) for r in reqs]
         starts = torch.tensor([len(c.tokens) for c in caches])
         new = [r.token_ids[len(c.tokens) :] for r, c in zip(reqs, caches, strict=True)]
-        steps = max(r.max_tokens for r in reqs)
+        steps = max(limits[i] for i in active)
         width = max(len(n) for n in new)
         capacity = int(starts.max()) + width + steps
         for cache in caches:
@@ -107,13 +115,16 @@ class ModelDraftProposer:
             tokens.append(greedy)
             probs.append(q)
             if step + 1 < steps:
-                last = self.model(greedy[:, None], pos, kv)[:, 0]
+                # Rows already past their own limit keep stepping (the batch moves together);
+                # clamping keeps their junk positions inside the RoPE table.
+                last = self.model(greedy[:, None], pos.clamp(max=room - 1), kv)[:, 0]
                 pos = pos + 1
         for row, (index, req) in enumerate(zip(active, reqs, strict=True)):
-            m = req.max_tokens
+            m = limits[index]
             proposed = self.vocab_ids[torch.stack([t[row] for t in tokens[:m]])].tolist()
-            fed = min(m, steps - 1)  # the last proposal was never fed through the draft
-            caches[row].tokens = list(req.token_ids) + proposed[:fed]
+            # The last proposal was never fed through the draft (proposals past a row's own
+            # limit were fed, but at clamped positions: not cached).
+            caches[row].tokens = list(req.token_ids) + proposed[: m - 1]
             drafts[index] = Draft(
                 token_ids=proposed, probs=self._full_q(probs, row, m, want_q[row])
             )

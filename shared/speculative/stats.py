@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from shared.config.speculative import MAX_SPECULATIVE_TOKENS
@@ -49,15 +50,17 @@ class SpecStats:
     by_method: dict[str, MethodStats] = field(default_factory=dict)
     plain_steps: int = 0  # decode rows the controller chose not to speculate on
     draft_unavailable: str | None = None
-    # (draft tokens, accepted) per verified row since the last drain: fed to Prometheus.
-    pending: list[tuple[int, int]] = field(default_factory=list)
+    # (draft tokens, accepted) per verified row since the last drain: fed to Prometheus. Bounded:
+    # an engine without a metrics sink never drains it.
+    pending: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def record(self, method: str, proposed: int, accepted: int) -> None:
         self.by_method.setdefault(method, MethodStats()).record(proposed, accepted)
         self.pending.append((proposed, accepted))
 
     def drain(self) -> list[tuple[int, int]]:
-        out, self.pending = self.pending, []
+        out = list(self.pending)
+        self.pending.clear()
         return out
 
     @property

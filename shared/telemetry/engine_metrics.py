@@ -101,10 +101,13 @@ class EngineMetrics:
             (*names, "backend", "status"),
             registry=registry,
         )
+        self.engine = engine
         registry.register(EngineStateCollector(engine, model, role))
 
     def __call__(self, plan: SchedulerOutput, start_ns: int, end_ns: int) -> None:
         labels = self.labels
+        for draft_tokens, accepted in self.engine.speculator.stats.drain():
+            self.observe_speculation(draft_tokens, accepted)
         self.batch_size.labels(*labels).observe(len(plan.scheduled))
         self.iteration_tokens.labels(*labels).observe(plan.num_batched_tokens)
         self.step_seconds.labels(*labels).observe((end_ns - start_ns) / 1e9)

@@ -114,3 +114,16 @@ def test_cached_batch_step_equals_uncached_forward(checkpoint):
         head = model(ids, torch.tensor([0, 0]), kv)
         tail = model(torch.tensor([PROMPTS[2][6:], [1] * 5]), torch.tensor([6, 3]), kv)
     torch.testing.assert_close(torch.cat([head[0], tail[0]]), full, atol=1e-4, rtol=1e-4)
+
+
+def test_proposals_stop_at_the_context_limit_while_the_batch_goes_on(checkpoint):
+    proposer = full_proposer(checkpoint)
+    limit = TINY_CONFIG.max_position
+    long = [(7 * i) % V for i in range(limit - 2)]
+    drafts = proposer.propose(
+        [DraftRequest("long", long, 5), DraftRequest("short", PROMPTS[1], 5)], [False, False]
+    )
+    assert drafts[0].token_ids == greedy_reference(checkpoint, long, 2)
+    assert drafts[1].token_ids == greedy_reference(checkpoint, PROMPTS[1], 5)
+    full = proposer.propose([DraftRequest("full", long + [1, 2], 3)], [False])[0]
+    assert full.token_ids == []

@@ -155,3 +155,48 @@ def test_unknown_fallback_model_is_a_404_naming_it(real_tokenizer):
     assert response.status_code == 404
     assert "'nope'" in response.json()["error"]["message"]
     assert backend.calls == []
+
+
+def test_completions_fall_back_too_and_each_choice_is_served(real_tokenizer):
+    backend = _backend(
+        real_tokenizer, slow_model=Script(first_token_delay_s=5.0), fast_model=Script()
+    )
+    body = {
+        "model": SLOW,
+        "models": [SLOW, FAST],
+        "fallback": {"ttft_timeout": 80},
+        "prompt": "Once upon a time",
+        "max_tokens": 3,
+        "n": 2,
+    }
+
+    async def work(client):
+        return await client.post("/v1/completions", json=body)
+
+    response = run_with_client(backend, APISettings(model_id=SLOW), work)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["model"] == FAST
+    assert [c["text"] for c in data["choices"]] == ["t0 t1 t2 "] * 2
+    assert len(backend.calls_for(SLOW)) == 2 and all(
+        c.closed_early for c in backend.calls_for(SLOW)
+    )
+    assert [a["model"] for a in meta(data, "attempts")] == [SLOW, FAST]
+
+
+def test_metrics_count_the_attempt_that_served(real_tokenizer):
+    backend = _backend(
+        real_tokenizer, slow_model=Script(fail=BackendError("x")), fast_model=Script()
+    )
+
+    async def work(client):
+        await client.post("/v1/chat/completions", json=chat_body(models=[SLOW, FAST]))
+        return (await client.get("/metrics")).text
+
+    text = run_with_client(backend, APISettings(model_id=SLOW), work)
+    served = [
+        line
+        for line in text.splitlines()
+        if line.startswith("splitserve_request_outcomes_total{") and 'attempt="2"' in line
+    ]
+    assert served and served[0].endswith(" 1.0")

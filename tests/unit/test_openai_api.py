@@ -105,11 +105,18 @@ def test_chat_non_streaming_matches_engine(client, real_tokenizer, expected):
     assert usage.completion_tokens == num_tokens
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens == 0  # a fresh engine
-    assert body["metadata"] == {
+    metadata = body["metadata"]
+    assert {k: metadata[k] for k in ("request_id", "replica", "service_tier")} == {
         "request_id": reply.id,
         "replica": "local",
         "service_tier": "priority",
     }
+    # Values are strings (OpenAI's metadata map); structured ones are JSON.
+    assert all(isinstance(v, str) for v in metadata.values())
+    (attempt,) = json.loads(metadata["attempts"])
+    assert attempt["model"] == MODEL and attempt["success"] is True
+    cost = json.loads(metadata["cost"])
+    assert cost["tier"] == "priority" and cost["total_usd"] > 0
     assert raw.http_response.headers["x-request-id"] == reply.id
 
 

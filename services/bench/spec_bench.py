@@ -1,0 +1,153 @@
+"""`splitserve bench spec`: decode speed with speculative decoding against plain decoding.
+
+Two prompt sets (services/bench/data/spec_prompts.json): `chat`, a consumer chat with a stable
+persona, and `grounded`, work whose answer copies from its input (edit, summarise, rewrite).
+Every method runs on the same loaded weights with the same prompts, greedy, at batch 1 (the
+prompts one after another) and batch 8 (all together); `speedup` divides by `none` from the
+same run, and `identical_greedy` checks the outputs equal plain decoding's token for token.
+
+tok/s counts decode steps only (steps with no prompt work in them): prefill is the same for
+every method and would only dilute the ratio that speculation changes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.model.llama import LlamaModel
+from shared.model.loader import default_model_path, read_checkpoint
+from shared.sampling.params import SamplingParams
+from shared.tokenizer import Tokenizer
+
+METHODS = ("none", "ngram", "draft", "adaptive")
+BATCHES = (1, 8)
+PROMPTS_FILE = "spec_prompts.json"
+
+
+def load_prompt_sets(tokenizer: Tokenizer) -> dict[str, list[list[int]]]:
+    data = json.loads((resources.files("services.bench") / "data" / PROMPTS_FILE).read_text())
+    chat, grounded = data["chat"], data["grounded"]
+    conversations = [
+        [{"role": "system", "content": chat["system"]}, *turns] for turns in chat["conversations"]
+    ]
+    conversations += [
+        [{"role": "system", "content": grounded["system"]}, {"role": "user", "content": task}]
+        for task in grounded["tasks"]
+    ]
+    encoded = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in conversations]
+    n = len(chat["conversations"])
+    return {"chat": encoded[:n], "grounded": encoded[n:]}
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch: int):
+    """Outputs, and (decode-step tokens, decode-step seconds) over groups of `batch` prompts."""
+    outputs: list[list[int]] = []
+    tokens, seconds = 0, 0.0
+    for start in range(0, len(prompts), batch):
+        ids = [engine.add_request(p, params) for p in prompts[start : start + batch]]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_work:
+            sched = engine.scheduler
+            prefill = bool(sched.waiting) or any(s.num_pending_tokens > 1 for s in sched.running)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            emitted = 0
+            for out in outs:
+                got[out.request_id].extend(out.new_token_ids)
+                emitted += len(out.new_token_ids)
+            if not prefill:
+                tokens += emitted
+                seconds += dt
+        outputs += [got[i] for i in ids]
+    return outputs, tokens, seconds
+
+
+def run(
+    weights: str = "fp32",
+    model_path: str | None = None,
+    threads: int = 2,
+    quick: bool = False,
+    k: int = 8,
+) -> dict:
+    torch.set_num_threads(threads)
+    path = model_path or default_model_path()
+    tokenizer = Tokenizer.from_gguf(path)
+    model = LlamaModel(read_checkpoint(path), weights=weights)
+    sets = load_prompt_sets(tokenizer)
+    max_tokens = 32 if quick else 96
+    if quick:
+        sets = {name: prompts[:4] for name, prompts in sets.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    result: dict = {
+        "weights": weights,
+        "threads": threads,
+        "max_tokens": max_tokens,
+        "num_speculative_tokens": k,
+        "sets": {},
+        "acceptance_histograms": {},
+    }
+    for set_name, prompts in sets.items():
+        for batch in BATCHES:
+            plain: list[list[int]] | None = None
+            plain_rate = 0.0
+            for method in METHODS:
+                config = EngineConfig(
+                    model=path,
+                    weights=weights,  # type: ignore[arg-type]
+                    kv_cache_bytes=256 << 20,
+                    num_threads=threads,
+                    speculative_method=method,  # type: ignore[arg-type]
+                    num_speculative_tokens=k,
+                )
+                engine = Engine(config, model=model, tokenizer=tokenizer)
+                decode_run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)
+                outputs, tokens, seconds = decode_run(engine, prompts, params, batch)
+                stats = engine.spec_stats()
+                rate = tokens / seconds if seconds else 0.0
+                if method == "none":
+                    plain, plain_rate = outputs, rate
+                entry = {
+                    "tok_s": round(rate, 2),
+                    "mean_accepted": stats["mean_accepted"] if method != "none" else 1.0,
+                    "speedup": round(rate / plain_rate, 3) if plain_rate else None,
+                    "identical_greedy": outputs == plain,
+                    "decode_tokens": tokens,
+                    "plain_steps": stats["plain_steps"],
+                    "verify_steps": stats["verify_steps"],
+                }
+                if "draft_unavailable" in stats:
+                    entry["draft_unavailable"] = stats["draft_unavailable"]
+                result["sets"].setdefault(set_name, {}).setdefault(method, {})[f"b{batch}"] = entry
+                result[f"{set_name}.{method}.b{batch}"] = entry
+                hist = result["acceptance_histograms"].setdefault(method, [0] * 17)
+                for a, n in enumerate(stats["accepted_histogram"]):
+                    hist[a] += n
+    result["acceptance_histograms"].pop("none", None)
+    return result
+
+
+def table_rows(result: dict) -> list[tuple[str, object, object, object]]:
+    """(key, tok/s, plain tok/s, speedup) per set/method/batch, mean accepted in the name."""
+    rows = []
+    for set_name, methods in result["sets"].items():
+        for method, batches in methods.items():
+            for batch, e in batches.items():
+                plain = methods["none"][batch]["tok_s"]
+                same = "" if e["identical_greedy"] else " NOT IDENTICAL"
+                name = f"{set_name}.{method}.{batch} (acc {e['mean_accepted']:.2f}){same}"
+                rows.append((name, e["tok_s"], plain, e["speedup"]))
+    return rows
+
+
+def write_plots(result: dict, directory: str | Path) -> list[Path]:
+    from services.bench.plots import write_spec_plots
+
+    return write_spec_plots(result, directory)
