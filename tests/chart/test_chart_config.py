@@ -116,3 +116,17 @@ def _slug(model_id: str) -> str:
     import re
 
     return re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")[:22].rstrip("-")
+
+
+def test_policy_sections_reach_the_config():
+    config = parse_config(yaml.safe_load(render("policy").config_yaml()))
+    assert config.telemetry.exporter == "otlp_grpc"
+    assert config.telemetry.endpoint == "otel-collector.observability:4317"
+    assert config.router.local_prefill_max_tokens == 128
+    assert config.tiers.max_in_flight == 48 and config.tiers.flex.max_wait_s == 60
+    assert config.prices["priority"].output == 1.2
+    assert config.prices["batch"].output > 0  # tiers left out keep the built-in prices
+    assert [v.name for v in config.routers["chat"].variants] == ["control", "candidate"]
+    # Keys with entitlements come as a YAML file, not the one-key-per-line file.
+    assert config.api_keys.file == "/etc/splitserve-secrets/api-keys"
+    assert config.coordinator.api_keys_file is None

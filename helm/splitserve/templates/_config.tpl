@@ -32,9 +32,6 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
 {{- $_ := set $coordinator "host" (include "splitserve.coordinatorHost" .) -}}
 {{- $_ := set $coordinator "port" (int .Values.coordinator.port) -}}
 {{- $_ := set $coordinator "registry_port" (int .Values.coordinator.registryPort) -}}
-{{- if .Values.apiKeys.enabled -}}
-{{- $_ := set $coordinator "api_keys_file" "/etc/splitserve-secrets/api-keys" -}}
-{{- end -}}
 {{- $config := dict
   "block_size" (int .Values.config.block_size)
   "models" $models
@@ -42,5 +39,18 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
   "coordinator" $coordinator
   "worker_host" "0.0.0.0"
 -}}
+{{- if .Values.apiKeys.enabled -}}
+{{- if .Values.apiKeys.entitlements -}}
+{{- if not .Values.apiKeys.existingSecret -}}
+{{- fail "apiKeys.entitlements needs apiKeys.existingSecret: a Secret you create holding the YAML key entries (the chart only generates plain one-key-per-line Secrets)" -}}
+{{- end -}}
+{{- $_ := set $config "api_keys" (dict "file" "/etc/splitserve-secrets/api-keys") -}}
+{{- else -}}
+{{- $_ := set $coordinator "api_keys_file" "/etc/splitserve-secrets/api-keys" -}}
+{{- end -}}
+{{- end -}}
+{{- range $key := list "telemetry" "router" "tiers" "prices" "routers" -}}
+{{- with get $root.Values.config $key }}{{ $_ := set $config $key . }}{{ end -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
