@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.commands.common import fail
+from services.commands.common import fail, positive_float, positive_int
 
 
 def add_bench(kinds) -> None:
@@ -14,29 +14,29 @@ def add_bench(kinds) -> None:
         "router", help="routing policies on a Mooncake-format trace (simulated; --live: real)"
     )
     bench.add_argument("--trace", required=True, help="Mooncake JSONL trace (with hash_ids)")
-    bench.add_argument("--replicas", type=_positive_int, default=8, help="prefill replicas")
+    bench.add_argument("--replicas", type=positive_int, default=8, help="prefill replicas")
     bench.add_argument("--json", default=None, metavar="OUT")
     bench.add_argument("--plot", default=None, metavar="DIR", help="TTFT CDF per policy (PNG)")
     bench.add_argument("--config", default=None, help="deployment config: caches, router weights")
     bench.add_argument("--profile", default=None, help="default: the shipped calibration")
     bench.add_argument(
         "--length-scale",
-        type=_positive_float,
+        type=positive_float,
         default=1 / 32,
         help="multiply prompt lengths (default 1/32, as bench tune maps Mooncake)",
     )
     bench.add_argument(
         "--utilization",
-        type=_positive_float,
+        type=positive_float,
         default=0.65,
         help="compress or stretch arrivals to this prefill load of the fleet (no cache)",
     )
     bench.add_argument(
         "--native-rate", action="store_true", help="keep the trace's own arrival times"
     )
-    bench.add_argument("--requests", type=_positive_int, default=None, help="first N only")
+    bench.add_argument("--requests", type=positive_int, default=None, help="first N only")
     bench.add_argument("--live", action="store_true", help="also replay a slice on real replicas")
-    bench.add_argument("--live-requests", type=_positive_int, default=40)
+    bench.add_argument("--live-requests", type=positive_int, default=40)
     bench.set_defaults(handler=run_router_bench)
 
 
@@ -81,17 +81,3 @@ def run_router_bench(args: argparse.Namespace) -> int:
         for path in write_plots("router", {"samples": samples}, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands.common import fail
+from services.commands.common import fail, positive_float
 
 SERVICES = ("coordinator", "prefill", "decode", "both")
 
@@ -17,7 +17,7 @@ def add_commands(sub) -> None:
     )
     up.add_argument(
         "--startup-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=300.0,
         metavar="SECONDS",
         help="give up if the stack is not ready by then (default: 300)",
@@ -97,16 +97,6 @@ def _non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not positive")
     return value
 
 

@@ -4,21 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands.common import WEIGHT_FORMATS
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+from services.commands.common import WEIGHT_FORMATS, positive_float, positive_int
 
 
 def add_bench(kinds) -> None:
@@ -26,11 +12,11 @@ def add_bench(kinds) -> None:
         "tiers", help="priority TTFT under saturating batch traffic; default-tier 429s"
     )
     bench.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS)
-    bench.add_argument("--duration", type=_positive_float, default=40.0, help="s of saturation")
-    bench.add_argument("--batch-clients", type=_positive_int, default=8)
-    bench.add_argument("--max-in-flight", type=_positive_int, default=2, help="per model")
-    bench.add_argument("--priority-every", type=_positive_float, default=1.5, help="seconds")
-    bench.add_argument("--default-every", type=_positive_float, default=2.0, help="seconds")
+    bench.add_argument("--duration", type=positive_float, default=40.0, help="s of saturation")
+    bench.add_argument("--batch-clients", type=positive_int, default=8)
+    bench.add_argument("--max-in-flight", type=positive_int, default=2, help="per model")
+    bench.add_argument("--priority-every", type=positive_float, default=1.5, help="seconds")
+    bench.add_argument("--default-every", type=positive_float, default=2.0, help="seconds")
     bench.add_argument("--json", default=None, metavar="OUT")
     bench.add_argument("--plot", default=None, metavar="DIR", help="TTFT CDFs per tier (PNG)")
     bench.set_defaults(handler=run_bench_tiers)

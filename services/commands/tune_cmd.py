@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands.common import WEIGHT_FORMATS, fail
+from services.commands.common import WEIGHT_FORMATS, fail, positive_float, positive_int
 
 ROUTERS = ("least_loaded", "round_robin", "prefix_only", "kv_aware")
 
@@ -21,12 +21,12 @@ def add_commands(sub) -> None:
         help="default: what `splitserve up` serves (the deployment config's default)",
     )
     prof.add_argument(
-        "--threads", type=_positive_int, default=1, help="torch threads (a local replica's: 1)"
+        "--threads", type=positive_int, default=1, help="torch threads (a local replica's: 1)"
     )
     prof.add_argument("--quick", action="store_true", help="fewer points (under a minute)")
     prof.add_argument(
         "--kv-cache-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=256 << 20,
         help="a replica's KV cache (its prefix-cache size in the simulator)",
     )
@@ -57,13 +57,13 @@ def add_commands(sub) -> None:
     tune.add_argument("--max-replicas", type=_at_least_two, default=32)
     tune.add_argument(
         "--time-scale",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="stretch inter-arrival times (2 = half the trace's request rate)",
     )
     tune.add_argument(
         "--length-scale",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="multiply prompt and output lengths (fit a big model's trace to a small replica)",
     )
@@ -74,14 +74,14 @@ def add_commands(sub) -> None:
         default=None,
         help="prefix cache per prefill replica (default: the profile's KV capacity)",
     )
-    tune.add_argument("--decode-max-batch", type=_positive_int, default=64)
+    tune.add_argument("--decode-max-batch", type=positive_int, default=64)
     tune.add_argument("--model-id", default="SmolLM2-135M-Instruct", help="for the values")
     tune.add_argument(
         "--validate",
         action="store_true",
         help="also replay a short slice on a live local stack and report the sim's error",
     )
-    tune.add_argument("--validate-requests", type=_positive_int, default=30)
+    tune.add_argument("--validate-requests", type=positive_int, default=30)
     tune.add_argument("--json", default=None, metavar="OUT")
     tune.set_defaults(handler=run_tune_cmd)
 
@@ -92,7 +92,7 @@ def add_bench(kinds) -> None:
     )
     bench.add_argument("--profile", default=None, help="default: the shipped profile")
     bench.add_argument("--no-live", action="store_true", help="skip the live comparison")
-    bench.add_argument("--live-requests", type=_positive_int, default=30)
+    bench.add_argument("--live-requests", type=positive_int, default=30)
     bench.add_argument("--json", default=None, metavar="OUT")
     bench.set_defaults(handler=run_bench_cmd)
 
@@ -174,20 +174,6 @@ def _number(text: str, kind):
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def _positive_float(text: str) -> float:
-    value = _number(text, float)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not positive")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
