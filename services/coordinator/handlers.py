@@ -129,9 +129,12 @@ class GenerationHandler:
             _describe(trace, plan, body)
             state = ResponseState(plan, self.settings.prices.get(tier))
             try:
-                ticket = self.admission.try_acquire(model.id, tier) or await until_disconnect(
-                    request, self.admission.acquire(model.id, tier)
-                )
+                ticket = self.admission.try_acquire(model.id, tier)
+                if ticket is None:  # the model is at its in-flight limit: wait in the tier queue
+                    with trace.queued(tier):
+                        ticket = await until_disconnect(
+                            request, self.admission.acquire(model.id, tier)
+                        )
                 streams = ChoiceStreams(FallbackBackend(self.backend, policy), plan.requests)
                 if plan.stream:
                     first = await until_disconnect(request, streams.next())

@@ -30,6 +30,7 @@ class RequestTrace:
         self, tracing: Tracing, headers: Mapping[str, str], endpoint: str, method: str, route: str
     ):
         self.capture_content = tracing.capture_content
+        self._tracer = tracing.tracer
         self.operation = OPERATIONS.get(endpoint, endpoint)
         self.span = tracing.tracer.start_span(
             self.operation,
@@ -56,6 +57,16 @@ class RequestTrace:
 
     def headers(self) -> dict[str, str]:
         return response_headers(self.span)
+
+    @contextmanager
+    def queued(self, tier: str) -> Iterator[None]:
+        """A child span for the time the request waits in the coordinator's tier queue."""
+        with self._tracer.start_as_current_span(
+            A.SPAN_COORDINATOR_QUEUE,
+            context=trace.set_span_in_context(self.span),
+            attributes={A.TIER: tier},
+        ):
+            yield
 
     def describe(
         self,

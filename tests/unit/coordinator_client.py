@@ -16,9 +16,12 @@ T = TypeVar("T")
 
 
 def run_with_client(
-    backend, settings: APISettings, work: Callable[[httpx.AsyncClient], Awaitable[T]]
+    backend,
+    settings: APISettings,
+    work: Callable[[httpx.AsyncClient], Awaitable[T]],
+    tracing=None,
 ) -> T:
-    app = create_app(backend, settings)
+    app = create_app(backend, settings, tracing) if tracing else create_app(backend, settings)
 
     async def main() -> T:
         transport = httpx.ASGITransport(app=app)

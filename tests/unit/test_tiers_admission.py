@@ -127,3 +127,32 @@ def test_overload_over_http_is_429_with_retry_after_and_queued_tiers_wait(real_t
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
     assert running.status_code == queued.status_code == 200
     assert queued.json()["service_tier"] == "batch"
+
+
+def test_time_in_the_tier_queue_is_a_span_of_the_request(real_tokenizer):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shared.telemetry import attributes as A
+    from shared.telemetry.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing.with_exporter(exporter, "splitserve-coordinator")
+    backend = ScriptedTestBackend(real_tokenizer, {MODEL: Script(first_token_delay_s=0.2)})
+    settings = APISettings(model_id=MODEL, tiers=_tiers(batch=TierPolicy(max_queue=4)))
+
+    async def work(client):
+        body = chat_body(service_tier="batch")
+        first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await asyncio.sleep(0.05)
+        second = await client.post("/v1/chat/completions", json=body)
+        return await first, second
+
+    first, second = run_with_client(backend, settings, work, tracing)
+    assert first.status_code == second.status_code == 200
+    tracing.force_flush()
+    spans = exporter.get_finished_spans()
+    (queued,) = [s for s in spans if s.name == A.SPAN_COORDINATOR_QUEUE]
+    assert queued.attributes[A.TIER] == "batch"
+    assert (queued.end_time - queued.start_time) / 1e9 > 0.05  # it waited for the first
+    parent = next(s for s in spans if s.context.span_id == queued.parent.span_id)
+    assert parent.context.trace_id == queued.context.trace_id and parent.parent is None
