@@ -28,6 +28,7 @@ _LATER_COMMANDS: list[tuple[str, str]] = [
     ("services.commands.planner_cmd", "add_commands"),
     ("services.commands.trace_cmd", "add_commands"),
     ("services.commands.tune_cmd", "add_commands"),
+    ("services.commands.draft_cmd", "add_command"),
 ]
 
 

@@ -34,7 +34,19 @@ def add_command(sub) -> None:
         default=None,
         help='JSONL of {"messages": [...]} or {"token_ids": [...]} (default: bundled set)',
     )
-    t.add_argument("--max-minutes", type=float, default=10.0, help="wall-clock budget")
+    t.add_argument(
+        "--data",
+        default=None,
+        help="cache of the target's replies: reused when the file exists (no generation), "
+        "written otherwise",
+    )
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        default=10.0,
+        help="budget in CPU minutes of this process (all threads together)",
+    )
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     t.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
     t.add_argument(
@@ -54,6 +66,8 @@ def run_train(args: argparse.Namespace) -> int:
         return fail(f"--threads must be >= 1, got {args.threads}")
     if not 16 <= args.vocab_size <= 65536:
         return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
+    if not args.lr > 0:
+        return fail(f"--lr must be > 0, got {args.lr}")
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     layers = None
@@ -94,10 +108,13 @@ def run_train(args: argparse.Namespace) -> int:
         source_layers=layers,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        lr=args.lr,
     )
     stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
     try:
-        report = train_draft(checkpoint, prompts, out, fingerprint, stop_ids, config, log=_stderr)
+        report = train_draft(
+            checkpoint, prompts, out, fingerprint, stop_ids, config, _stderr, args.data
+        )
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     size_mb = report.path.stat().st_size / 1e6

@@ -171,6 +171,48 @@ def _generate_batch(
     ]
 
 
+def save_samples(path: str | Path, samples: Sequence[TeacherSample], fingerprint: str) -> None:
+    """Keep the target's replies: generating them is most of a training run's cost, and a
+    second run (other layers, vocabulary, budget) can reuse them."""
+    rows = [
+        {
+            "token_ids": torch.tensor(s.token_ids, dtype=torch.int32),
+            "prompt_len": s.prompt_len,
+            "top_ids": s.top_ids.to(torch.int32),
+            "top_logprobs": s.top_logprobs.to(torch.float16),
+        }
+        for s in samples
+    ]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": "splitserve-draft-data", "version": 1, "fingerprint": fingerprint}
+    torch.save(payload | {"samples": rows}, path)
+
+
+def load_samples(path: str | Path, fingerprint: str) -> list[TeacherSample]:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        rows = payload["samples"] if payload.get("format") == "splitserve-draft-data" else None
+        if rows is None:
+            raise KeyError("format")
+        found = str(payload.get("fingerprint"))
+        samples = [
+            TeacherSample(
+                token_ids=r["token_ids"].tolist(),
+                prompt_len=int(r["prompt_len"]),
+                top_ids=r["top_ids"].long(),
+                top_logprobs=r["top_logprobs"].float(),
+            )
+            for r in rows
+        ]
+    except Exception as exc:  # any unreadable file means the same thing to the user
+        raise PromptFileError(f"{path}: not a draft data file ({type(exc).__name__})") from None
+    if found != fingerprint:
+        raise PromptFileError(
+            f"{path}: replies of a target with tokenizer {found[:16]}, not {fingerprint[:16]}"
+        )
+    return samples
+
+
 def build_vocab(
     samples: Sequence[TeacherSample], size: int, always: Sequence[int] = ()
 ) -> torch.Tensor:

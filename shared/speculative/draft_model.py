@@ -7,6 +7,8 @@ of that, so it keeps the target's width (its layers can then start as copies of 
 which is what makes minutes of distillation enough) but only 1-2 layers, and a *reduced
 vocabulary*: the N most frequent tokens of the target's own outputs. A full 49152-row output
 head alone would cost as much as ~8 target layers per guess; N=4096 rows cost a tenth of that.
+Measured (1 thread, busy shared machine): 2 layers + 3.7k rows propose a token in ~4.7 ms
+against ~121 ms for one fp32 target decode step, i.e. ~4% of a step per guess.
 The draft's q is zero outside its vocabulary, which keeps rejection sampling exact (the verifier
 simply never accepts what q cannot propose). Input ids outside the vocabulary share one learned
 "unknown" row. Input and output embeddings are tied, as in the target, to halve the file.

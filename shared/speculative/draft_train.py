@@ -1,4 +1,4 @@
-"""Distil a draft from the target within a wall-clock budget: generate, pick vocab, train, save.
+"""Distil a draft from the target within a CPU-time budget: generate, pick vocab, train, save.
 
 The budget is CPU time of this process (time.process_time, all threads together), not wall
 time: on a shared machine the same budget buys the same amount of work and so the same draft,
@@ -8,6 +8,14 @@ for AdamW on a soft cross-entropy against the target's top-k next-token distribu
 to the draft vocabulary (KL up to a constant; mass outside the vocabulary is dropped, as the
 draft can never propose those tokens anyway). The learning rate follows the *time* budget
 (warm-up, then cosine to 10%) so a run stopped by the clock has already annealed.
+
+Measured on SmolLM2-135M (~21-26k reply tokens, 1 thread): starting from target layers
+(0, 29) the untrained draft sits at 67 nats held-out loss (the last layer expects a deep
+residual stream) and reached 0.31 held-out top-1 agreement in 10 CPU-min; from layers (0, 1), a
+consistent chain whose only mismatch is the final norm/head, it starts at 0.02 and reached 0.37.
+Both more replies and more steps still help at this size (6 instead of 3 CPU-min of training on
+the same 26k tokens: 0.37 -> 0.41; `--data` keeps the replies so a second run only trains);
+freezing the embedding rows against overfitting was worse (0.34 vs 0.37).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from shared.speculative.draft_data import (
     TeacherSample,
     build_vocab,
     generate_teacher_data,
+    load_samples,
+    save_samples,
     target_to_draft_map,
 )
 from shared.speculative.draft_file import save_draft
@@ -35,14 +45,14 @@ from shared.speculative.draft_model import DraftModel, model_from_checkpoint
 @dataclass(frozen=True)
 class TrainConfig:
     max_minutes: float = 10.0
-    generate_share: float = 0.6  # of the budget spent having the target write the data
+    generate_share: float = 0.7  # of the budget spent having the target write replies
     temperatures: tuple[float, ...] = (0.0, 0.7)  # one reply per prompt per temperature
     max_new_tokens: int = 160
     gen_batch_size: int = 32
     draft_vocab_size: int = 4096
-    source_layers: tuple[int, ...] | None = None  # None: first and last target layer
+    source_layers: tuple[int, ...] | None = None  # None: the first two target layers
     top_k: int = 8
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.01
     batch_tokens: int = 2048
     heldout_fraction: float = 0.1
@@ -73,37 +83,26 @@ def train_draft(
     stop_ids: frozenset[int] = frozenset(),
     config: TrainConfig = TrainConfig(),
     log: Callable[[str], None] = print,
+    data_path: str | Path | None = None,
 ) -> TrainReport:
+    """Distil a draft into `out`. With `data_path`: replies found there are reused (no
+    generation; the whole budget trains), else the generated ones are saved there."""
     torch.manual_seed(config.seed)
     start = time.process_time()
     wall_start = time.monotonic()
     budget = config.max_minutes * 60.0
     tc = checkpoint.config
-    layers = config.source_layers or tuple(sorted({0, tc.num_layers - 1}))
+    layers = config.source_layers or tuple(range(min(2, tc.num_layers)))
     if any(not 0 <= i < tc.num_layers for i in layers):
         raise ValueError(f"source layers {layers} outside the target's 0..{tc.num_layers - 1}")
 
-    teacher = model_from_checkpoint(checkpoint, tuple(range(tc.num_layers)), None).eval()
-    gen_deadline = start + budget * config.generate_share
-
-    def gen_progress(samples: int, tokens: int) -> None:
-        clock = _clock(start, wall_start, budget)
-        log(f"[draft] generate: {samples} replies done, {tokens} tokens, {clock}")
-
-    samples = generate_teacher_data(
-        teacher,
-        prompts,
-        config.temperatures,
-        config.max_new_tokens,
-        stop_ids,
-        gen_deadline,
-        config.gen_batch_size,
-        config.top_k,
-        config.seed,
-        gen_progress,
-        clock=time.process_time,
-    )
-    del teacher
+    if data_path is not None and Path(data_path).is_file():
+        samples = load_samples(data_path, target_fingerprint)
+        log(f"[draft] reusing {len(samples)} target replies from {data_path}")
+    else:
+        samples = _generate(checkpoint, prompts, stop_ids, config, log, start, wall_start, budget)
+        if data_path is not None:
+            save_samples(data_path, samples, target_fingerprint)
     if len(samples) < 2:
         raise ValueError("the budget allowed fewer than 2 replies; raise --max-minutes")
     rng = random.Random(config.seed)
@@ -122,7 +121,8 @@ def train_draft(
         f"{_clock(start, wall_start, budget)}"
     )
 
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     train_start = time.process_time()
     train_budget = max(1e-3, start + budget - train_start)
     step, seen, loss_avg = 0, 0, float("nan")
@@ -144,7 +144,7 @@ def train_draft(
             loss = _loss(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
             seen += int(batch.mask.sum())
@@ -189,6 +189,38 @@ def train_draft(
         f"{_clock(start, wall_start, budget)}"
     )
     return report
+
+
+def _generate(
+    checkpoint: Checkpoint,
+    prompts: Sequence[list[int]],
+    stop_ids: frozenset[int],
+    config: TrainConfig,
+    log: Callable[[str], None],
+    start: float,
+    wall_start: float,
+    budget: float,
+) -> list[TeacherSample]:
+    layers = tuple(range(checkpoint.config.num_layers))
+    teacher = model_from_checkpoint(checkpoint, layers, None).eval()
+
+    def progress(samples: int, tokens: int) -> None:
+        clock = _clock(start, wall_start, budget)
+        log(f"[draft] generate: {samples} replies done, {tokens} tokens, {clock}")
+
+    return generate_teacher_data(
+        teacher,
+        prompts,
+        config.temperatures,
+        config.max_new_tokens,
+        stop_ids,
+        start + budget * config.generate_share,
+        config.gen_batch_size,
+        config.top_k,
+        config.seed,
+        progress,
+        clock=time.process_time,
+    )
 
 
 @dataclass

@@ -104,3 +104,20 @@ def test_draft_path_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(draft_file.os, "access", lambda *_: False)
     monkeypatch.setattr(draft_file, "CACHE_DIR", tmp_path / "cache")
     assert draft_file.trained_draft_path(model) == tmp_path / "cache" / beside.name
+
+
+def test_shipped_draft_fits_the_bundled_model():
+    from shared.model.loader import default_model_path
+    from shared.tokenizer import Tokenizer
+
+    model = default_model_path()
+    shipped = draft_file.BUNDLED_DRAFTS / f"{Path(model).stem}.draft.pt"
+    if not shipped.is_file():
+        pytest.skip("no draft shipped for the bundled model")
+    tokenizer = Tokenizer.from_gguf(model)
+    proposer = load_draft_proposer(shipped, tokenizer.fingerprint, tokenizer.vocab_size)
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    )
+    draft = proposer.propose([DraftRequest("r", prompt, 4)], [False])[0]
+    assert len(draft.token_ids) == 4

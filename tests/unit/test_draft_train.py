@@ -6,6 +6,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,8 +51,16 @@ def test_trainer_end_to_end_learns_saves_and_loads(tmp_path):
         lr=3e-3,
         max_steps=40,
     )
+    data = tmp_path / "replies.pt"
     report = train_draft(
-        tiny_checkpoint(0), _prompts(), tmp_path / "d.pt", "fp", frozenset(), config, lines.append
+        tiny_checkpoint(0),
+        _prompts(),
+        tmp_path / "d.pt",
+        "fp",
+        frozenset(),
+        config,
+        lines.append,
+        data,
     )
     assert report.steps == 40 and report.path.is_file()
     assert report.num_samples == 24  # one greedy and one sampled reply per prompt
@@ -63,6 +72,26 @@ def test_trainer_end_to_end_learns_saves_and_loads(tmp_path):
     assert proposer.model.config.vocab_size <= 128
     draft = proposer.propose([DraftRequest("r", _prompts()[0], 3)], [False])[0]
     assert len(draft.token_ids) == 3
+    # A second run reuses the saved replies instead of generating them again...
+    lines.clear()
+    again = replace(config, max_steps=2)
+    train_draft(
+        tiny_checkpoint(0), [], tmp_path / "e.pt", "fp", frozenset(), again, lines.append, data
+    )
+    assert lines[0].startswith("[draft] reusing 24 target replies")
+    assert not any("generate" in line for line in lines)
+    # ...but never those of a target with another tokenizer.
+    with pytest.raises(PromptFileError, match="tokenizer fp"):
+        train_draft(
+            tiny_checkpoint(0),
+            [],
+            tmp_path / "f.pt",
+            "other",
+            frozenset(),
+            again,
+            lines.append,
+            data,
+        )
 
 
 def test_teacher_data_labels_are_the_targets_distribution():
