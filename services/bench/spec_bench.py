@@ -76,15 +76,20 @@ def run(
     threads: int = 2,
     quick: bool = False,
     k: int = 8,
+    prompts_per_set: int | None = None,
+    max_tokens: int | None = None,
+    draft_path: str | None = None,
 ) -> dict:
+    """``quick``: 4 prompts per set, 32 new tokens; the last two override (smoke tests)."""
     torch.set_num_threads(threads)
     path = model_path or default_model_path()
     tokenizer = Tokenizer.from_gguf(path)
     model = LlamaModel(read_checkpoint(path), weights=weights)
     sets = load_prompt_sets(tokenizer)
-    max_tokens = 32 if quick else 96
-    if quick:
-        sets = {name: prompts[:4] for name, prompts in sets.items()}
+    max_tokens = max_tokens or (32 if quick else 96)
+    per_set = prompts_per_set or (4 if quick else None)
+    if per_set:
+        sets = {name: prompts[:per_set] for name, prompts in sets.items()}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result: dict = {
         "weights": weights,
@@ -106,6 +111,7 @@ def run(
                     num_threads=threads,
                     speculative_method=method,  # type: ignore[arg-type]
                     num_speculative_tokens=k,
+                    draft_path=draft_path,
                 )
                 engine = Engine(config, model=model, tokenizer=tokenizer)
                 decode_run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)

@@ -46,6 +46,7 @@ def add_command(sub) -> None:
 _BENCH_MODULES = [
     "services.commands.kernels_cmd",
     "services.commands.router_cmd",
+    "services.commands.spec_cmd",
     "services.commands.tiers_cmd",
     "services.commands.trace_cmd",
     "services.commands.tune_cmd",

@@ -17,6 +17,9 @@ def add_bench(kinds) -> None:
     spec.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures here")
     spec.add_argument("--quick", action="store_true", help="4 prompts per set, 32 tokens")
     spec.add_argument("-k", "--num-speculative-tokens", type=int, default=8, dest="k")
+    spec.add_argument(
+        "--draft", default=None, help="draft file (default: the one beside the model)"
+    )
     spec.set_defaults(handler=run_spec)
 
 
@@ -25,7 +28,9 @@ def run_spec(args: argparse.Namespace) -> int:
     from services.bench.report import machine_info, print_table, write_json
 
     threads = args.threads or 2
-    result = spec_bench.run(args.weights, args.model, threads, quick=args.quick, k=args.k)
+    result = spec_bench.run(
+        args.weights, args.model, threads, quick=args.quick, k=args.k, draft_path=args.draft
+    )
     result["machine"] = machine_info()
     print_table(
         f"splitserve bench spec (weights={args.weights}, threads={threads}, k={args.k}): "

@@ -23,6 +23,7 @@ from shared.model.llama import LlamaModel
 from shared.model.loader import load_model
 from shared.sampling.batch import make_generator
 from shared.sampling.params import SamplingParamError, SamplingParams
+from shared.speculative.calibrate import measure_step_costs
 from shared.speculative.loading import build_speculator
 from shared.speculative.proposer import DraftProposer
 from shared.speculative.verify import Verified
@@ -98,6 +99,9 @@ class Engine:
         fingerprint = tokenizer.fingerprint if tokenizer else (kv_salt or b"").decode()
         self.speculator = build_speculator(
             config, self.max_model_len, config.model, fingerprint, model_cfg.vocab_size, draft
+        )
+        self.speculator.set_calibration(
+            lambda: measure_step_costs(self.model, self.pool, self.blocks, config.block_size)
         )
         self.sequences: dict[str, Sequence] = {}
         self._text: dict[str, TextTracker] = {}

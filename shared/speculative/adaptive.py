@@ -50,7 +50,7 @@ class _Counts:
 
 @dataclass
 class AcceptanceTracker:
-    prior_alpha: float = 0.5
+    prior_alpha: float = 0.3
     _global: dict[str, _Counts] = field(default_factory=dict)
     _requests: dict[tuple[str, str], _Counts] = field(default_factory=dict)
 

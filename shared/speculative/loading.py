@@ -53,6 +53,12 @@ def _load_draft(
         path = Path(draft_path_for(model_path))
     if not path.is_file():
         return None, f"no draft file at {path} (train one with `splitserve draft train`)"
+    if not fingerprint and model_path is not None and model_path.endswith(".gguf"):
+        # An engine built without a tokenizer (workers leave text to the coordinator): the
+        # draft is checked against the tokenizer stored in the model file itself.
+        from shared.tokenizer import Tokenizer
+
+        fingerprint = Tokenizer.from_gguf(model_path).fingerprint
     try:
         proposer = load_draft_proposer(
             path, fingerprint, vocab_size, device=config.device, num_threads=config.num_threads

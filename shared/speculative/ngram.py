@@ -32,12 +32,16 @@ class NgramProposer:
         self.max_n = max_n
         self.min_n = min_n
         self._indexes: dict[str, _Index] = {}
+        # Length of the suffix the last proposal matched, per request: longer matches are
+        # accepted more often, so the adaptive controller tracks acceptance per length.
+        self.match_length: dict[str, int] = {}
 
     def propose(self, requests: list[DraftRequest], sampling: list[bool]) -> list[Draft]:
         return [self._propose_one(r) for r in requests]
 
     def release(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
+        self.match_length.pop(request_id, None)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         index = self._indexes.get(request_id)
@@ -51,9 +55,11 @@ class NgramProposer:
             return Draft([])
         index = self._sync(request.request_id, tokens)
         end = len(tokens) - 1
+        self.match_length[request.request_id] = 0
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             found = index.last_end.get(tuple(tokens[end - n + 1 : end + 1]))
             if found is not None:
+                self.match_length[request.request_id] = n
                 return Draft(tokens[found + 1 : found + 1 + request.max_tokens])
         return Draft([])
 

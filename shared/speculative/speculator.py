@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
@@ -55,6 +56,13 @@ class Speculator:
         self.acceptance = AcceptanceTracker()
         self.cost = StepCostModel()
         self._draft_cost: float | None = None
+        self._calibrate: Callable[[], dict[int, float]] | None = None
+        # Acceptance is tracked per n-gram match length ("ngram:3"): set at plan, read at record.
+        self._alpha_keys: dict[str, str] = {}
+
+    def set_calibration(self, measure: Callable[[], dict[int, float]]) -> None:
+        """Run once before the first adaptive decision: step seconds by query tokens."""
+        self._calibrate = measure
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +70,10 @@ class Speculator:
 
     def plan(self, running: list[Sequence]) -> None:
         """Attach drafts to the decoding sequences in ``running`` (clearing stale ones)."""
+        if self._calibrate is not None and self.method == "adaptive":
+            for n, seconds in self._calibrate().items():
+                self.cost.observe(n, seconds)
+            self._calibrate = None
         decoding: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft = None
@@ -85,7 +97,8 @@ class Speculator:
         if draft is None or method is None or not len(draft):
             return
         self.stats.record(method, len(draft), accepted)
-        self.acceptance.observe(seq.request_id, method, len(draft), accepted)
+        key = self._alpha_keys.pop(seq.request_id, method)
+        self.acceptance.observe(seq.request_id, key, len(draft), accepted)
         if method == "draft" and self.draft is not None and accepted < len(draft):
             # Called before the accepted tokens are appended to the sequence.
             self.draft.rollback(seq.request_id, seq.num_tokens + accepted)
@@ -94,6 +107,7 @@ class Speculator:
         self.cost.observe(num_tokens, seconds)
 
     def release(self, request_id: str) -> None:
+        self._alpha_keys.pop(request_id, None)
         self.ngram.release(request_id)
         self.acceptance.release(request_id)
         if self.draft is not None:
@@ -124,7 +138,8 @@ class Speculator:
         candidates: list[Candidate] = []
         draft_cost = self._draft_cost if self._draft_cost is not None else PRIOR_DRAFT_COST
         for (seq, limit), draft in zip(decoding, drafts, strict=True):
-            a_ngram = self.acceptance.alpha(seq.request_id, "ngram")
+            key = f"ngram:{self.ngram.match_length.get(seq.request_id, 0)}"
+            a_ngram = self.acceptance.alpha(seq.request_id, key)
             use_model = self.draft is not None
             if use_model and len(draft):
                 # Tokens per second of this row alone: an n-gram draft is free, a model draft
@@ -140,6 +155,7 @@ class Speculator:
                 )
             else:
                 seq.draft, seq.draft_method = draft, "ngram"
+                self._alpha_keys[seq.request_id] = key
                 choices.append(_Choice(seq, "ngram", len(draft)))
                 candidates.append(Candidate(a_ngram, len(draft)))
         for choice, k in zip(choices, choose_k(candidates, self.max_k, self.cost), strict=True):

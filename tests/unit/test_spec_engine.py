@@ -175,6 +175,11 @@ def test_num_speculative_tokens_range_is_enforced():
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(speculative_method="magic")  # type: ignore[arg-type]
     assert SpeculativeConfig(num_speculative_tokens=16).num_speculative_tokens == 16
+    from shared.config.schema import ConfigError, parse_config
+
+    bad = {"models": [{"speculative": {"method": "adaptive", "num_speculative_tokens": 17}}]}
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens must be in 0\.\.16, got 17"):
+        parse_config(bad)
 
 
 def test_missing_draft_keeps_ngram_on(tiny_model, tmp_path, plain):
@@ -193,3 +198,38 @@ def test_corrupt_draft_file_is_reported(tiny_model, tmp_path):
     bad.write_bytes(b"not a draft")
     engine = _engine(tiny_model, "adaptive", draft_path=str(bad))
     assert "bad.draft.pt" in engine.spec_stats()["draft_unavailable"]
+
+
+def _model_draft(layers: tuple[int, ...]):
+    """The DRAFT helper's proposer over a subset of the tiny target's own layers."""
+    torch = pytest.importorskip("torch")
+    draft_model = pytest.importorskip("shared.speculative.draft_model")
+    draft_proposer = pytest.importorskip("shared.speculative.draft_proposer")
+    from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
+
+    vocab = torch.arange(TINY_CONFIG.vocab_size)
+    model = draft_model.model_from_checkpoint(tiny_checkpoint(seed=0), layers, vocab).eval()
+    return draft_proposer.ModelDraftProposer(model, vocab, TINY_CONFIG.vocab_size)
+
+
+@pytest.mark.parametrize("method", ["draft", "adaptive"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_model_draft_greedy_equals_plain(tiny_model, plain, method, batch):
+    prompts, expected = plain
+    engine = _engine(tiny_model, method, _model_draft((0,)), num_speculative_tokens=4)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got += _checked_run(engine, prompts[i : i + batch], GREEDY)
+    assert got == expected
+    if method == "draft":
+        stats = engine.spec_stats()["by_method"]["draft"]
+        assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+
+
+def test_model_draft_sampling_runs_clean(tiny_model, plain):
+    prompts, _ = plain
+    params = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
+    engine = _engine(tiny_model, "draft", _model_draft((0,)), num_speculative_tokens=4)
+    outputs = _checked_run(engine, prompts, params)
+    assert all(len(o) == 16 for o in outputs)
+    assert engine.spec_stats()["by_method"]["draft"]["steps"] > 0

@@ -1,0 +1,75 @@
+"""On the real SmolLM2: greedy output with every speculative method, at batch 1 and 8, equals
+plain decoding token for token (short outputs to stay fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.bench.spec_bench import load_prompt_sets
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.sampling.params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=32)
+B1_PROMPTS = 2
+
+
+@pytest.fixture(scope="module")
+def prompts(real_tokenizer) -> list[list[int]]:
+    sets = load_prompt_sets(real_tokenizer)
+    return sets["grounded"][:4] + sets["chat"][:4]
+
+
+@pytest.fixture(scope="module")
+def draft_factory(real_checkpoint, gguf_path, real_tokenizer):
+    """A trained draft if one sits at the default location, else one initialised from two of
+    the target's layers (untrained: it exercises rejections as much as acceptances)."""
+    draft_model = pytest.importorskip("shared.speculative.draft_model")
+    draft_proposer = pytest.importorskip("shared.speculative.draft_proposer")
+    from shared.speculative.draft_file import draft_path_for
+
+    vocab = real_checkpoint.config.vocab_size
+    path = draft_path_for(gguf_path)
+
+    def make():
+        if path.is_file():
+            return draft_proposer.load_draft_proposer(path, real_tokenizer.fingerprint, vocab)
+        layers = (0, real_checkpoint.config.num_layers - 1)
+        ids = torch.arange(vocab)
+        model = draft_model.model_from_checkpoint(real_checkpoint, layers, ids).eval()
+        return draft_proposer.ModelDraftProposer(model, ids, vocab)
+
+    return make
+
+
+def _run(model, tokenizer, method, prompts, batch, draft=None) -> tuple[list[list[int]], dict]:
+    config = EngineConfig(
+        kv_cache_bytes=64 << 20, speculative_method=method, num_speculative_tokens=4
+    )
+    engine = Engine(config, model=model, tokenizer=tokenizer, draft=draft)
+    outputs = []
+    for i in range(0, len(prompts), batch):
+        outputs += engine.generate(prompts[i : i + batch], PARAMS)
+    engine.blocks.check_integrity()
+    assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+    return outputs, engine.spec_stats()
+
+
+@pytest.fixture(scope="module")
+def plain(real_model, real_tokenizer, prompts):
+    b8, _ = _run(real_model, real_tokenizer, "none", prompts, 8)
+    b1, _ = _run(real_model, real_tokenizer, "none", prompts[:B1_PROMPTS], 1)
+    return {1: b1, 8: b8}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "adaptive"])
+def test_greedy_equals_plain_decoding(
+    real_model, real_tokenizer, prompts, plain, method, draft_factory
+):
+    for batch, subset in ((8, prompts), (1, prompts[:B1_PROMPTS])):
+        draft = draft_factory() if method in ("draft", "adaptive") else None
+        outputs, stats = _run(real_model, real_tokenizer, method, subset, batch, draft)
+        assert outputs == plain[batch], f"{method} at batch {batch}"
+        if method != "adaptive":
+            assert stats["verify_steps"] > 0, f"{method} at batch {batch} never speculated"
