@@ -31,11 +31,35 @@ BATCHES = (1, 8)
 PROMPTS_FILE = "spec_prompts.json"
 
 
-def load_prompt_sets(tokenizer: Tokenizer) -> dict[str, list[list[int]]]:
+def load_prompt_sets(
+    tokenizer: Tokenizer, replay: Engine | None = None, reply_tokens: int = 64
+) -> dict[str, list[list[int]]]:
+    """Token prompts per set. A chat conversation is a list of user turns; as in real
+    traffic, each earlier turn's assistant reply is the target's own (greedy, plain decoding
+    on `replay`, all conversations batched) and the whole conversation is resent with the
+    last user turn: that last turn is what the benchmark decodes. Without `replay` (tests)
+    the earlier turns are left out."""
     data = json.loads((resources.files("services.bench") / "data" / PROMPTS_FILE).read_text())
     chat, grounded = data["chat"], data["grounded"]
+    system = {"role": "system", "content": chat["system"]}
+    histories = [[system] for _ in chat["conversations"]]
+    turns = max(len(c) for c in chat["conversations"])
+    for turn in range(turns - 1):
+        live = [i for i, c in enumerate(chat["conversations"]) if turn < len(c) - 1]
+        for i in live:
+            histories[i].append({"role": "user", "content": chat["conversations"][i][turn]})
+        if replay is None:
+            continue
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(histories[i])) for i in live]
+        replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=reply_tokens))
+        for i, reply in zip(live, replies, strict=True):
+            text = tokenizer.decode([t for t in reply if t not in tokenizer.stop_token_ids])
+            histories[i].append({"role": "assistant", "content": text.strip()})
+    if replay is None:  # no replies to pair the earlier user turns with
+        histories = [[system] for _ in chat["conversations"]]
     conversations = [
-        [{"role": "system", "content": chat["system"]}, *turns] for turns in chat["conversations"]
+        [*history, {"role": "user", "content": c[-1]}]
+        for history, c in zip(histories, chat["conversations"], strict=True)
     ]
     conversations += [
         [{"role": "system", "content": grounded["system"]}, {"role": "user", "content": task}]
@@ -85,7 +109,13 @@ def run(
     path = model_path or default_model_path()
     tokenizer = Tokenizer.from_gguf(path)
     model = LlamaModel(read_checkpoint(path), weights=weights)
-    sets = load_prompt_sets(tokenizer)
+    replay = Engine(
+        EngineConfig(model=path, weights=weights, kv_cache_bytes=256 << 20, num_threads=threads),  # type: ignore[arg-type]
+        model=model,
+        tokenizer=tokenizer,
+    )
+    sets = load_prompt_sets(tokenizer, replay, reply_tokens=32 if quick else 64)
+    del replay
     max_tokens = max_tokens or (32 if quick else 96)
     per_set = prompts_per_set or (4 if quick else None)
     if per_set:

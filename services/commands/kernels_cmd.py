@@ -12,6 +12,7 @@ def add_bench(kinds) -> None:
     )
     ker.add_argument("--json", default=None, help="write the results here")
     ker.add_argument("--quick", action="store_true", help="fewer contexts and repetitions")
+    ker.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures here")
     ker.set_defaults(handler=run_kernels)
 
 

@@ -94,6 +94,7 @@ def add_bench(kinds) -> None:
     bench.add_argument("--no-live", action="store_true", help="skip the live comparison")
     bench.add_argument("--live-requests", type=positive_int, default=30)
     bench.add_argument("--json", default=None, metavar="OUT")
+    bench.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures here")
     bench.set_defaults(handler=run_bench_cmd)
 
 

@@ -42,6 +42,9 @@ def stack(receiver):
             "heartbeat_timeout_s": 2.0,
         },
         "transfer": {"backend": "shm"},
+        # Every request takes the disaggregated path, so every trace spans three processes:
+        # a repeated prompt would otherwise be prefilled on the decode replica holding it.
+        "router": {"local_prefill_max_tokens": 0},
         "telemetry": {
             "exporter": "otlp_grpc",
             "endpoint": receiver.endpoint,
