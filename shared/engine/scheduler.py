@@ -86,6 +86,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         queue = sorted(self.running, key=Sequence.sort_key)
+        # A prompt of the most urgent tier with prefill pending gets the step to itself (with
+        # the decodes): a lower tier's prompt chunk in the same step would lengthen the step,
+        # and so the higher tier's time to first token, by its whole size.
+        # (Waiting prompts count only while the batch has room to admit them.)
+        can_admit = len(self.running) < self.config.max_num_seqs
+        candidates = [*self.running, *(self.waiting if can_admit else ())]
+        urgent = min((s.priority for s in candidates if s.num_pending_tokens > 1), default=None)
         while queue and budget > 0:
             seq = queue.pop(0)
             drafted = self._fit_draft(seq, budget)
@@ -94,6 +101,8 @@ class Scheduler:
                 budget -= 1 + drafted
                 continue
             n = min(seq.num_pending_tokens, budget)
+            if n > 1 and urgent is not None and seq.priority > urgent:
+                continue
             if self._grow(seq, n, queue, out):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -102,6 +111,8 @@ class Scheduler:
         for seq in sorted(self.waiting, key=Sequence.sort_key):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if seq.num_pending_tokens > 1 and urgent is not None and seq.priority > urgent:
+                break  # waits for the more urgent tier's prompts (see above)
             if not self._admit(seq, out):
                 break  # strict priority order: nobody overtakes a blocked sequence
             n = min(seq.num_pending_tokens, budget)

@@ -13,6 +13,7 @@ from shared.sampling.params import SamplingParams
 BLOCK = 16
 BATCH_PROMPT = list(range(3, 51))  # 48 tokens, 3 blocks
 PRIORITY_PROMPT = list(range(60, 108))  # 48 tokens, 3 blocks
+BIG_BATCH_PROMPT = list(range(110, 210))  # 100 tokens: fits one step's budget with the above
 
 
 def _engine(tiny_model, mode: str, num_blocks: int = 5) -> Engine:
@@ -65,3 +66,29 @@ def test_priority_request_preempts_a_batch_decode(tiny_model, mode):
     assert tokens["priority"] == _alone(tiny_model, PRIORITY_PROMPT, 8)
     assert tokens["batch"] == _alone(tiny_model, BATCH_PROMPT, 24)
     engine.blocks.check_integrity()
+
+
+def test_a_priority_prompt_does_not_share_its_step_with_a_batch_prompt(tiny_model):
+    engine = _engine(tiny_model, "recompute", num_blocks=32)
+    engine.add_request(
+        BIG_BATCH_PROMPT, _params(4), request_id="batch", priority=tier_priority("batch")
+    )
+    engine.add_request(
+        PRIORITY_PROMPT, _params(4), request_id="priority", priority=tier_priority("priority")
+    )
+    plan = engine.scheduler.schedule()
+    # The priority prompt's chunk runs alone (the budget would have fit both), so its first
+    # token is not delayed by computing the batch prompt alongside it.
+    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [
+        ("priority", len(PRIORITY_PROMPT))
+    ]
+    fresh = _engine(tiny_model, "recompute", num_blocks=32)
+    fresh.add_request(
+        BIG_BATCH_PROMPT, _params(4), request_id="batch", priority=tier_priority("batch")
+    )
+    fresh.add_request(
+        PRIORITY_PROMPT, _params(4), request_id="priority", priority=tier_priority("priority")
+    )
+    done = {out.request_id for out in fresh.run_until_done() if out.finished}
+    assert done == {"batch", "priority"}  # the batch prompt is deferred, not starved
+    fresh.blocks.check_integrity()
