@@ -189,8 +189,6 @@ def test_attempts_and_migrations_given_as_json_lists():
     attempts = '[{"model": "a", "success": false}, {"model": "b", "success": true}]'
     metrics.count_outcome("m", "default", 200, {"attempts": attempts, "migrations": "[{}, {}]"})
     text = metrics.render().decode()
-    assert (
-        'splitserve_request_outcomes_total{attempt="2",model="m",outcome="success",tier="default"} 1.0'
-        in text
-    )
+    outcome = 'attempt="2",model="m",outcome="success",tier="default"'
+    assert f"splitserve_request_outcomes_total{{{outcome}}} 1.0" in text
     assert 'splitserve_request_migrations_total{model="m",tier="default"} 2.0' in text
