@@ -50,6 +50,9 @@ class WorkerConfig(_Strict):
     disk_cache_bytes: int = Field(0, ge=0)
     disk_cache_dir: str | None = None
     max_num_batched_tokens: int = Field(512, ge=1)
+    background_chunk_tokens: int | None = Field(
+        64, ge=1, description="prompt tokens per step for flex/batch requests; None = no cap"
+    )
     max_num_seqs: int = Field(64, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads; default: cores / workers")
     preemption_mode: Literal["recompute", "swap"] = "recompute"

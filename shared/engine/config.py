@@ -12,6 +12,10 @@ Role = Literal["prefill", "decode", "both"]
 PreemptionMode = Literal["recompute", "swap"]
 
 
+# Scheduling priorities at or above this are background work (service tiers flex and batch).
+BACKGROUND_PRIORITY = 2
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2
@@ -24,6 +28,10 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0  # third tier; needs a host tier and a directory
     max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
+    # Prompt chunks of background tiers (flex, batch: priority >= BACKGROUND_PRIORITY) are cut
+    # to this many tokens a step, so a priority or default request that arrives mid-step
+    # waits behind a short step, not a full budget of batch prefill. None = no cap.
+    background_chunk_tokens: int | None = 64
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to the model's context length
     preemption_mode: PreemptionMode = "recompute"
@@ -48,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.background_chunk_tokens is not None and self.background_chunk_tokens < 1:
+            raise ValueError("background_chunk_tokens must be >= 1 (or None for no cap)")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):

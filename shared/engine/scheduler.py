@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.config import EngineConfig
+from shared.engine.config import BACKGROUND_PRIORITY, EngineConfig
 from shared.engine.sequence import SeqStatus, Sequence
 from shared.kvcache.block_manager import BlockManager
 
@@ -100,7 +100,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, 1 + drafted, drafted))
                 budget -= 1 + drafted
                 continue
-            n = min(seq.num_pending_tokens, budget)
+            n = min(seq.num_pending_tokens, budget, self._chunk_cap(seq))
             if n > 1 and urgent is not None and seq.priority > urgent:
                 continue
             if self._grow(seq, n, queue, out):
@@ -115,7 +115,7 @@ class Scheduler:
                 break  # waits for the more urgent tier's prompts (see above)
             if not self._admit(seq, out):
                 break  # strict priority order: nobody overtakes a blocked sequence
-            n = min(seq.num_pending_tokens, budget)
+            n = min(seq.num_pending_tokens, budget, self._chunk_cap(seq))
             target = max(seq.table.num_tokens, seq.num_computed_tokens + n)
             if not self.blocks.append_slots(seq.table, target):
                 break  # admitted (its KV is back) but no room to grow yet: next step's _grow
@@ -124,6 +124,13 @@ class Scheduler:
         return out
 
     # -- internals -----------------------------------------------------------------------
+
+    def _chunk_cap(self, seq: Sequence) -> int:
+        """The most prompt tokens `seq` may compute this step (see background_chunk_tokens)."""
+        cap = self.config.background_chunk_tokens
+        if cap is None or seq.priority < BACKGROUND_PRIORITY:
+            return self.config.max_num_batched_tokens
+        return cap
 
     def _fit_draft(self, seq: Sequence, budget: int) -> int:
         """Reserve slots for the sequence's drafts if budget and free blocks allow: drafts

@@ -92,3 +92,21 @@ def test_a_priority_prompt_does_not_share_its_step_with_a_batch_prompt(tiny_mode
     done = {out.request_id for out in fresh.run_until_done() if out.finished}
     assert done == {"batch", "priority"}  # the batch prompt is deferred, not starved
     fresh.blocks.check_integrity()
+
+
+def test_background_prompts_are_cut_into_short_steps(tiny_model):
+    engine = _engine(tiny_model, "recompute", num_blocks=32)
+    assert engine.config.background_chunk_tokens == 64
+    engine.add_request(BIG_BATCH_PROMPT, _params(2), request_id="batch", priority=3)
+    engine.add_request(PRIORITY_PROMPT, _params(2), request_id="default", priority=1)
+    # Default first (alone: a more urgent prompt is pending), then batch in 64-token chunks.
+    sizes = []
+    engine.step_observers.append(
+        lambda plan, *_: sizes.append([(s.seq.request_id, s.num_tokens) for s in plan.scheduled])
+    )
+    list(engine.run_until_done())
+    prompt_steps = [step for step in sizes if any(n > 1 for _, n in step)]
+    assert prompt_steps[0] == [("default", len(PRIORITY_PROMPT))]
+    batch_chunks = [n for step in prompt_steps for rid, n in step if rid == "batch" and n > 1]
+    assert batch_chunks == [64, len(BIG_BATCH_PROMPT) - 64]
+    engine.blocks.check_integrity()
