@@ -6,7 +6,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,37 +22,72 @@ class RequestTiming:
     e2e_ms: float = 0.0
 
 
-async def stream_chat(
-    client: httpx.AsyncClient, url: str, body: dict, kind: str, timeout_s: float = 300.0
+class StreamError(Exception):
+    """A streamed request that failed: an HTTP error status, or an error event mid-stream."""
+
+
+async def stream_events(
+    client: httpx.AsyncClient, url: str, body: dict, timeout_s: float = 300.0
+) -> AsyncIterator[dict]:
+    """The JSON payloads of a streamed OpenAI response, in order (without the final [DONE])."""
+    async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
+        if resp.status_code != 200:
+            raise StreamError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise StreamError(str(data["error"].get("message", "error")))
+            yield data
+
+
+def chat_token(choice: dict) -> bool:
+    """A /v1/chat/completions chunk choice that carries text."""
+    return bool(choice.get("delta", {}).get("content"))
+
+
+def completion_token(choice: dict) -> bool:
+    """A /v1/completions chunk choice that carries text."""
+    return bool(choice.get("text"))
+
+
+async def stream_timing(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    kind: str,
+    is_token: Callable[[dict], bool] = chat_token,
+    timeout_s: float = 300.0,
 ) -> RequestTiming:
+    """TTFT, inter-token gaps and end-to-end time of one streamed request; a failure is
+    recorded in `error`, never raised."""
     timing = RequestTiming(kind)
     start = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url, json=body, timeout=timeout_s) as resp:
-            if resp.status_code != 200:
-                timing.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return timing
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    timing.error = data["error"].get("message", "error")
-                    break
-                for choice in data.get("choices", []):
-                    if choice.get("delta", {}).get("content"):
-                        now = time.perf_counter()
-                        if last is None:
-                            timing.ttft_ms = (now - start) * 1e3
-                        else:
-                            timing.itl_ms.append((now - last) * 1e3)
-                        last = now
-                        timing.tokens += 1
+        async for data in stream_events(client, url, body, timeout_s):
+            for choice in data.get("choices", []):
+                if is_token(choice):
+                    now = time.perf_counter()
+                    if last is None:
+                        timing.ttft_ms = (now - start) * 1e3
+                    else:
+                        timing.itl_ms.append((now - last) * 1e3)
+                    last = now
+                    timing.tokens += 1
+    except StreamError as exc:
+        timing.error = str(exc)
     except (TimeoutError, httpx.HTTPError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     timing.e2e_ms = (time.perf_counter() - start) * 1e3
     return timing
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict, kind: str, timeout_s: float = 300.0
+) -> RequestTiming:
+    return await stream_timing(client, url, body, kind, chat_token, timeout_s)
 
 
 def percentile(values: list[float], q: float) -> float | None:

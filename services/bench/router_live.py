@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from services.bench.load import StreamError, completion_token, stream_events
 from services.profiler.costmodel import ReplicaProfile
 from services.tuner.fleet import FleetConfig
 from services.tuner.simulator import simulate
@@ -46,29 +47,21 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> LiveResult:
     out = LiveResult()
     start = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, timeout=600.0) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    out.error = str(data["error"].get("message", "error"))
-                    break
-                if out.ttft_ms is None and any(c.get("text") for c in data.get("choices", [])):
-                    out.ttft_ms = (time.perf_counter() - start) * 1e3
-                meta = data.get("metadata") or {}
-                out.replica = meta.get("replica", out.replica)
-                routing = meta.get("routing", out.reasoning)
-                # metadata values are strings (OpenAI's shape): the list comes JSON-encoded
-                out.reasoning = json.loads(routing) if isinstance(routing, str) else routing
-                usage = data.get("usage")
-                if usage:
-                    out.prompt_tokens = usage["prompt_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens", 0)
+        async for data in stream_events(client, url, body, timeout_s=600.0):
+            if out.ttft_ms is None and any(completion_token(c) for c in data.get("choices", [])):
+                out.ttft_ms = (time.perf_counter() - start) * 1e3
+            meta = data.get("metadata") or {}
+            out.replica = meta.get("replica", out.replica)
+            routing = meta.get("routing", out.reasoning)
+            # metadata values are strings (OpenAI's shape): the list comes JSON-encoded
+            out.reasoning = json.loads(routing) if isinstance(routing, str) else routing
+            usage = data.get("usage")
+            if usage:
+                out.prompt_tokens = usage["prompt_tokens"]
+                details = usage.get("prompt_tokens_details") or {}
+                out.cached_tokens = details.get("cached_tokens", 0)
+    except StreamError as exc:
+        out.error = str(exc)
     except (TimeoutError, httpx.HTTPError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,7 +42,7 @@ class WorkerTracing:
         return DecodeTrace(self, request, metadata)
 
 
-class _CallTrace:
+class _CallTrace(ABC):
     """A server span around one call, plus the request's engine timeline while it runs."""
 
     name = ""
@@ -84,8 +85,9 @@ class _CallTrace:
             self._engine_spans(self.timeline)
         self.span.end()
 
+    @abstractmethod
     def _engine_spans(self, timeline: RequestTimeline) -> None:
-        raise NotImplementedError
+        """The spans of what the engine did for this call (prefill chunks or decode steps)."""
 
     def _child(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None:
         span = self.owner.tracer.start_span(

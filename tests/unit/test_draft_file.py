@@ -112,8 +112,7 @@ def test_shipped_draft_fits_the_bundled_model():
 
     model = default_model_path()
     shipped = draft_file.BUNDLED_DRAFTS / f"{Path(model).stem}.draft.pt"
-    if not shipped.is_file():
-        pytest.skip("no draft shipped for the bundled model")
+    assert shipped.is_file(), f"the bundled model's draft is missing: {shipped}"
     tokenizer = Tokenizer.from_gguf(model)
     proposer = load_draft_proposer(shipped, tokenizer.fingerprint, tokenizer.vocab_size)
     prompt = tokenizer.encode(

