@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from shared.config.schema import TelemetryConfig
 from shared.telemetry.file_export import JsonLinesSpanExporter
 from shared.telemetry.processor import BoundedSpanProcessor, SpanExportCollector
+from shared.telemetry.reconnect import OTLP_GRPC_CHANNEL_OPTIONS, ReconnectingSpanExporter
 
 DEFAULT_OTLP_GRPC_ENDPOINT = "localhost:4317"
 DEFAULT_OTLP_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
@@ -102,10 +103,13 @@ def create_exporter(config: TelemetryConfig) -> SpanExporter:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         endpoint = config.endpoint or DEFAULT_OTLP_GRPC_ENDPOINT
-        return OTLPSpanExporter(
-            endpoint=endpoint,
-            insecure=not endpoint.startswith("https://"),
-            timeout=config.export_timeout_s,
+        return ReconnectingSpanExporter(
+            lambda: OTLPSpanExporter(
+                endpoint=endpoint,
+                insecure=not endpoint.startswith("https://"),
+                timeout=config.export_timeout_s,
+                channel_options=OTLP_GRPC_CHANNEL_OPTIONS,
+            )
         )
     if config.exporter == "otlp_http":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (

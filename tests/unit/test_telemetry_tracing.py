@@ -247,6 +247,33 @@ def test_otlp_grpc_export_reaches_a_receiver_with_attributes_intact():
     assert child_rec.resource["service.instance.id"] == "instance-1"
 
 
+def test_a_restarted_collector_gets_the_next_batch():
+    """After failed connects gRPC would wait, growing to minutes, before reconnecting, and
+    every batch meanwhile would be dropped: each failed batch gets the next a fresh
+    connection, so the first batch after the collector returns arrives."""
+    tracer = TracerProvider().get_tracer("t")
+
+    def batch() -> list:
+        span = tracer.start_span("s")
+        span.end()
+        return [span]
+
+    with OtlpReceiver() as receiver:
+        receiver.start()
+        # 0.5 s: no time for the exporter's own retry (its first backoff is ~1 s).
+        config = TelemetryConfig(exporter="otlp_grpc", endpoint=receiver.endpoint)
+        exporter = create_exporter(config.model_copy(update={"export_timeout_s": 0.5}))
+        assert exporter.export(batch()) is SpanExportResult.SUCCESS
+        receiver.stop()
+        outage = [exporter.export(batch()) for _ in range(8) if time.sleep(0.5) is None]
+        assert SpanExportResult.SUCCESS not in outage
+        assert exporter.reconnects == len(outage)
+        receiver.start()
+        assert exporter.export(batch()) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+        assert len(receiver.wait_for(lambda got: len(got) == 2)) == 2
+
+
 def test_otlp_http_exporter_is_configured_from_the_deployment():
     exporter = create_exporter(
         TelemetryConfig(exporter="otlp_http", endpoint="http://collector:4318/v1/traces")
