@@ -11,7 +11,7 @@ import argparse
 import shutil
 import sys
 
-from services.commands.common import WEIGHT_FORMATS, fail
+from services.commands.common import WEIGHT_FORMATS, fail, positive_int
 
 
 def add_commands(sub) -> None:
@@ -39,10 +39,16 @@ def add_commands(sub) -> None:
 def add_bench(kinds) -> None:
     p = kinds.add_parser("overhead", help="tracing off vs to a file vs to OTLP: throughput, TTFT")
     p.add_argument("--weights", default="fp32", choices=WEIGHT_FORMATS)
-    p.add_argument("--requests", type=int, default=8, help="requests per round and mode")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=positive_int, default=8, help="requests per round and mode")
+    p.add_argument("--concurrency", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument(
+        "--paired",
+        type=positive_int,
+        default=30,
+        help="prompts sent one at a time to every mode, for the unloaded TTFT",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures here")
     p.set_defaults(handler=run_overhead)
@@ -113,6 +119,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
         rounds=args.rounds,
+        paired=args.paired,
     )
     result["machine"] = machine_info()
     print_table(
@@ -121,5 +128,6 @@ def run_overhead(args: argparse.Namespace) -> int:
     )
     print(f"tracing_throughput_ratio = {result['tracing_throughput_ratio']}")
     print(f"tracing_ttft_p50_delta_ms = {result['tracing_ttft_p50_delta_ms']}")
+    print(f"tracing_ttft_p50_delta_ms_loaded = {result['tracing_ttft_p50_delta_ms_loaded']}")
     save_outputs("overhead", result, args.json, args.plot)
     return 0

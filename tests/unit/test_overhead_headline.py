@@ -1,0 +1,47 @@
+"""`bench overhead`'s headline: the worse tracing mode against off; TTFT from the paired
+unloaded phase, the closed loop's TTFT reported beside it; bad arguments refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.bench.overhead_bench import _headline, table_rows
+from services.commands.trace_cmd import add_bench
+
+
+def _mode(tok_s: float, loaded_ttft: float, unloaded_ttft: float) -> dict:
+    return {
+        "throughput_tok_s": tok_s,
+        "ttft_p50_ms": loaded_ttft,
+        "unloaded_ttft_p50_ms": unloaded_ttft,
+        "e2e_p50_ms": 1000.0,
+        "errors": 0,
+    }
+
+
+def test_headline_takes_the_worse_mode_and_the_paired_ttft():
+    result = {
+        "off": _mode(100.0, 600.0, 200.0),
+        "file": _mode(97.0, 640.0, 200.5),
+        "otlp": _mode(99.0, 610.0, 201.5),
+        "span_cpu_ms_per_request": 0.7,
+    }
+    _headline(result)
+    assert result["tracing_throughput_ratio"] == pytest.approx(0.97)
+    assert result["tracing_ttft_p50_delta_ms"] == pytest.approx(1.5)  # otlp, paired
+    assert result["tracing_ttft_p50_delta_ms_loaded"] == pytest.approx(40.0)  # file, loaded
+    assert result["tracing_ttft_p50_delta_ms_file"] == pytest.approx(0.5)
+    labels = [row[0] for row in table_rows(result)]
+    assert "tracing_ttft_p50_delta_ms_loaded" in labels
+    assert "TTFT p50 ms, paired unloaded (otlp vs off)" in labels
+
+
+@pytest.mark.parametrize("flag", ["--paired", "--rounds", "--requests", "--concurrency"])
+def test_bench_overhead_refuses_zero_counts(flag, capsys):
+    parser = argparse.ArgumentParser()
+    add_bench(parser.add_subparsers(dest="kind"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["overhead", flag, "0"])
+    assert f"argument {flag}: 0 is not a positive integer" in capsys.readouterr().err
