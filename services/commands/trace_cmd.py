@@ -46,7 +46,7 @@ def add_bench(kinds) -> None:
     p.add_argument(
         "--paired",
         type=positive_int,
-        default=30,
+        default=150,
         help="prompts sent one at a time to every mode, for the unloaded TTFT",
     )
     p.add_argument("--json", default=None, help="write the results here")
@@ -128,6 +128,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     )
     print(f"tracing_throughput_ratio = {result['tracing_throughput_ratio']}")
     print(f"tracing_ttft_p50_delta_ms = {result['tracing_ttft_p50_delta_ms']}")
+    print(f"tracing_ttft_p50_delta_ms_ci95 = {result.get('tracing_ttft_p50_delta_ms_ci95')}")
     print(f"tracing_ttft_p50_delta_ms_loaded = {result['tracing_ttft_p50_delta_ms_loaded']}")
     save_outputs("overhead", result, args.json, args.plot)
     return 0

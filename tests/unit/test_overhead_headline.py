@@ -4,10 +4,11 @@ unloaded phase, the closed loop's TTFT reported beside it; bad arguments refused
 from __future__ import annotations
 
 import argparse
+import random
 
 import pytest
 
-from services.bench.overhead_bench import _headline, table_rows
+from services.bench.overhead_bench import _headline, p50_delta_ci95, table_rows
 from services.commands.trace_cmd import add_bench
 
 
@@ -45,3 +46,15 @@ def test_bench_overhead_refuses_zero_counts(flag, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["overhead", flag, "0"])
     assert f"argument {flag}: 0 is not a positive integer" in capsys.readouterr().err
+
+
+def test_the_paired_delta_interval_brackets_the_estimate_and_narrows_with_pairs():
+    rng = random.Random(1)
+    off = [200 + rng.gauss(0, 15) for _ in range(400)]
+    on = [t + 3.0 for t in off]  # a constant 3 ms on every prompt
+    assert p50_delta_ci95(on, off) == pytest.approx([3.0, 3.0])
+    noisy = [t + 3.0 + rng.gauss(0, 10) for t in off]
+    lo, hi = p50_delta_ci95(noisy, off)
+    few_lo, few_hi = p50_delta_ci95(noisy[:30], off[:30])
+    assert lo < 3.0 < hi and hi - lo < few_hi - few_lo
+    assert p50_delta_ci95(noisy, off) == [lo, hi]  # seeded: the same data, the same interval
