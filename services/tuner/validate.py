@@ -29,9 +29,11 @@ from services.bench.load import RequestTiming, summarize
 from services.profiler.costmodel import ReplicaProfile
 from services.tuner.calibrate import Anchoring, anchor, probe
 from services.tuner.fleet import FleetConfig
+from services.tuner.results import SimResult
 from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
 from services.tuner.validate_client import stream_completion
+from shared.config.router import RouterConfig
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,11 @@ async def warm_up(base_url: str, model: str, vocab_size: int) -> None:
 
 
 def compare(sl: LiveSlice, timings: list[RequestTiming], profile: ReplicaProfile) -> dict:
+    return _compared(timings, simulate(sl.trace, profile, FleetConfig(1, 1)))
+
+
+def _compared(timings: list[RequestTiming], result: SimResult) -> dict:
     live = summarize(timings)
-    result = simulate(sl.trace, profile, FleetConfig(1, 1))
     sim = result.summary()
     busy = {k: sim[k] for k in ("prefill_utilization", "decode_utilization")}
     per_request = {
@@ -148,20 +153,36 @@ def compare(sl: LiveSlice, timings: list[RequestTiming], profile: ReplicaProfile
     return _errors(live, sim) | busy | {"per_request": per_request}
 
 
-def compare_anchored(sl: LiveSlice, timings: list[RequestTiming], anchoring: Anchoring) -> dict:
-    """With the anchored profile, each replica slowed in proportion to how busy the other
-    is in the simulation (the two share this machine's cores; see `calibrate`). Busier
-    replicas slow each other more, which keeps them busy longer: a few rounds settle it."""
+def simulate_anchored(
+    trace: Trace,
+    anchoring: Anchoring,
+    fleet: FleetConfig,
+    router_config: RouterConfig | None = None,
+) -> tuple[SimResult, dict[str, float]]:
+    """The simulation on the anchored profile, each replica slowed in proportion to how busy
+    the other kind is in the simulation (they share this machine's cores; see `calibrate`).
+    Busier replicas slow each other more, which keeps them busy longer: a few rounds settle
+    it. Returns the result and the slowdown factors it settled on."""
     base = anchoring.profile
-    prefill_factor = decode_factor = 1.0
+    factors = {"prefill_factor": 1.0, "decode_factor": 1.0}
     for _ in range(4):
-        profile = base.rescaled(prefill_factor, decode_factor, base.serving_overhead_ms)
-        result = compare(sl, timings, profile)
-        result["interference"] = {"prefill_factor": prefill_factor, "decode_factor": decode_factor}
-        busy_p, busy_d = result["prefill_utilization"], result["decode_utilization"]
-        prefill_factor = 1.0 + busy_d * (anchoring.busy_prefill_slowdown - 1.0)
-        decode_factor = 1.0 + busy_p * (anchoring.busy_decode_slowdown - 1.0)
-    return result
+        profile = base.rescaled(
+            factors["prefill_factor"], factors["decode_factor"], base.serving_overhead_ms
+        )
+        result = simulate(trace, profile, fleet, router_config=router_config)
+        used = factors
+        summary = result.summary()
+        busy_p, busy_d = summary["prefill_utilization"], summary["decode_utilization"]
+        factors = {
+            "prefill_factor": 1.0 + busy_d * (anchoring.busy_prefill_slowdown - 1.0),
+            "decode_factor": 1.0 + busy_p * (anchoring.busy_decode_slowdown - 1.0),
+        }
+    return result, used
+
+
+def compare_anchored(sl: LiveSlice, timings: list[RequestTiming], anchoring: Anchoring) -> dict:
+    result, factors = simulate_anchored(sl.trace, anchoring, FleetConfig(1, 1))
+    return _compared(timings, result) | {"interference": factors}
 
 
 def _errors(live: dict, sim: dict) -> dict:

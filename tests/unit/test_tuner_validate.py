@@ -1,5 +1,6 @@
 """The live check's offline parts: slices whose prompts share tokens exactly where their
-trace blocks agree, and the anchoring of a profile to probe requests."""
+trace blocks agree, the anchoring of a profile to probe requests, and the simulation on the
+anchored profile with the cost of replicas sharing cores."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import numpy as np
 import pytest
 
 from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
-from services.tuner.calibrate import Probe, anchor
+from services.tuner.calibrate import Anchoring, Probe, anchor
+from services.tuner.fleet import FleetConfig
+from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
-from services.tuner.validate import make_slice
+from services.tuner.validate import make_slice, simulate_anchored
 
 
 def _profile() -> ReplicaProfile:
@@ -83,3 +86,25 @@ def test_anchoring_recovers_speed_overhead_and_a_busy_neighbours_cost():
     assert anchored.prefill_ms(300) == pytest.approx(1.5 * profile.prefill_ms(300))
     assert anchored.serving_overhead_ms == pytest.approx(20.0)
     assert anchored.decode.step(4, 4000) == pytest.approx(1.2 * profile.decode.step(4, 4000))
+
+
+def test_anchored_simulation_charges_sharing_the_cores_in_proportion_to_the_neighbour():
+    profile = _profile()
+    trace = make_slice("m", _mooncake_like(), profile, 1000, count=4, utilization=0.5).trace
+    fleet = FleetConfig(2, 1, router="kv_aware")
+
+    def anchoring(prefill_slowdown: float, decode_slowdown: float) -> Anchoring:
+        return Anchoring(profile, 1.0, 0.0, 1.0, prefill_slowdown, decode_slowdown)
+
+    alone, factors = simulate_anchored(trace, anchoring(1.0, 1.0), fleet)
+    assert factors == {"prefill_factor": 1.0, "decode_factor": 1.0}
+    plain = simulate(trace, profile, fleet)
+    assert alone.ttft_ms.tolist() == pytest.approx(plain.ttft_ms.tolist())
+
+    shared, factors = simulate_anchored(trace, anchoring(2.0, 1.5), fleet)
+    busy = shared.summary()
+    # The factors are those the simulation it returns ran with, one settling round behind.
+    assert 1.0 < factors["prefill_factor"] < 2.0 and 1.0 < factors["decode_factor"] < 1.5
+    assert busy["prefill_utilization"] > 0 and busy["decode_utilization"] > 0
+    assert np.all(shared.ttft_ms >= alone.ttft_ms - 1e-9)
+    assert shared.latency()["ttft_p50_ms"] > alone.latency()["ttft_p50_ms"]
