@@ -15,7 +15,10 @@ TTFT is the prompt's own path through coordinator, prefill, transfer and decode.
 Headline keys are the worse of the two tracing modes against off:
 `tracing_throughput_ratio` (closed loop, on / off, target >= 0.98) and
 `tracing_ttft_p50_delta_ms` (paired, on - off, target <= 1 ms); the closed loop's TTFT
-delta is reported beside it as `tracing_ttft_p50_delta_ms_loaded`. Single TTFTs still vary
+delta is reported beside it as `tracing_ttft_p50_delta_ms_loaded`. Wall-clock throughput
+drifts by a few percent between runs here, so the CPU seconds every service process spent
+per closed-loop request are reported too (`tracing_cpu_ratio`, on / off), with the stand-in
+collector's own CPU kept apart (a real collector runs elsewhere). Single TTFTs still vary
 by ±15 ms, so the paired delta comes with a bootstrap 95% interval
 (`tracing_ttft_p50_delta_ms_ci95`): the resolution the run actually had.
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from services.bench.cpu_time import process_cpu_s, total_cpu_s
 from services.bench.load import RequestTiming, filler_text, percentile, stream_chat, timing_samples
 from services.bench.span_cost import span_cost_ms
 from services.launcher import LocalStack, start_local_stack
@@ -181,6 +185,9 @@ def run(
             asyncio.run(_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n))
         timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}
         walls = dict.fromkeys(MODES, 0.0)
+        pids = {m: [p.pid for p in running[m].processes.values()] for m in MODES}
+        cpu_before = {m: total_cpu_s(pids[m]) for m in MODES}
+        collector_before = process_cpu_s(receiver.pid) if receiver.pid else None
         for r in range(rounds):
             for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
                 got, wall = asyncio.run(
@@ -188,6 +195,8 @@ def run(
                 )
                 timings[mode].extend(got)
                 walls[mode] += wall
+        cpu_after = {m: total_cpu_s(pids[m]) for m in MODES}
+        collector_after = process_cpu_s(receiver.pid) if receiver.pid else None
         # Prompts the closed loop never sent, so no mode has them cached.
         paired_ttft = asyncio.run(_paired_ttft(running, paired, 1_000_000))
         stacks.close()  # flushes every service's spans before they are counted
@@ -197,6 +206,17 @@ def run(
         result[mode] = _summary(timings[mode], walls[mode])
         result[mode]["unloaded_ttft_p50_ms"] = percentile(paired_ttft[mode], 0.5)
     result["samples_paired_ttft_ms"] = paired_ttft
+    for mode in MODES:
+        before, after = cpu_before[mode], cpu_after[mode]
+        per_request = None
+        if before is not None and after is not None and timings[mode]:
+            per_request = (after - before) * 1e3 / len(timings[mode])
+        result[mode]["cpu_ms_per_request"] = per_request
+    result["collector_cpu_ms_per_request"] = (
+        (collector_after - collector_before) * 1e3 / len(timings["otlp"])
+        if collector_before is not None and collector_after is not None and timings["otlp"]
+        else None
+    )
     for mode in ("file", "otlp"):
         ci = p50_delta_ci95(paired_ttft[mode], paired_ttft["off"])
         result[f"tracing_ttft_p50_delta_ms_ci95_{mode}"] = ci
@@ -209,9 +229,12 @@ def run(
 
 def _headline(result: dict) -> None:
     off = result["off"]
-    ratios, deltas, loaded = {}, {}, {}
+    ratios, deltas, loaded, cpu = {}, {}, {}, {}
     for mode in ("file", "otlp"):
         on = result[mode]
+        if off.get("cpu_ms_per_request") and on.get("cpu_ms_per_request") is not None:
+            cpu[mode] = on["cpu_ms_per_request"] / off["cpu_ms_per_request"]
+        result[f"tracing_cpu_ratio_{mode}"] = cpu.get(mode)
         if off["throughput_tok_s"] and on["throughput_tok_s"]:
             ratios[mode] = on["throughput_tok_s"] / off["throughput_tok_s"]
         if off["unloaded_ttft_p50_ms"] is not None and on["unloaded_ttft_p50_ms"] is not None:
@@ -229,6 +252,7 @@ def _headline(result: dict) -> None:
             f"tracing_ttft_p50_delta_ms_ci95_{worst}"
         )
     result["tracing_ttft_p50_delta_ms_loaded"] = max(loaded.values()) if loaded else None
+    result["tracing_cpu_ratio"] = max(cpu.values()) if cpu else None
 
 
 def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
@@ -281,6 +305,18 @@ def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
         rows.append(("  its 95% interval (bootstrap)", f"{ci[0]:.2f} .. {ci[1]:.2f}", None, None))
     rows.append(
         ("tracing_ttft_p50_delta_ms_loaded", r["tracing_ttft_p50_delta_ms_loaded"], None, None)
+    )
+    for mode in ("file", "otlp"):
+        rows.append(
+            (
+                f"service CPU ms/request ({mode} vs off)",
+                r[mode].get("cpu_ms_per_request"),
+                off.get("cpu_ms_per_request"),
+                r.get(f"tracing_cpu_ratio_{mode}"),
+            )
+        )
+    rows.append(
+        ("collector CPU ms/request (otlp)", r.get("collector_cpu_ms_per_request"), None, None)
     )
     rows.append(
         (

@@ -129,6 +129,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     print(f"tracing_throughput_ratio = {result['tracing_throughput_ratio']}")
     print(f"tracing_ttft_p50_delta_ms = {result['tracing_ttft_p50_delta_ms']}")
     print(f"tracing_ttft_p50_delta_ms_ci95 = {result.get('tracing_ttft_p50_delta_ms_ci95')}")
+    print(f"tracing_cpu_ratio = {result.get('tracing_cpu_ratio')}")
     print(f"tracing_ttft_p50_delta_ms_loaded = {result['tracing_ttft_p50_delta_ms_loaded']}")
     save_outputs("overhead", result, args.json, args.plot)
     return 0

@@ -138,6 +138,10 @@ class ReceiverProcess:
             raise RuntimeError(f"the OTLP receiver process did not start on {self.endpoint}")
         return self
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def span_count(self) -> int:
         return int(self._ask("count"))
 

@@ -12,8 +12,9 @@ from services.bench.overhead_bench import _headline, p50_delta_ci95, table_rows
 from services.commands.trace_cmd import add_bench
 
 
-def _mode(tok_s: float, loaded_ttft: float, unloaded_ttft: float) -> dict:
+def _mode(tok_s: float, loaded_ttft: float, unloaded_ttft: float, cpu_ms: float) -> dict:
     return {
+        "cpu_ms_per_request": cpu_ms,
         "throughput_tok_s": tok_s,
         "ttft_p50_ms": loaded_ttft,
         "unloaded_ttft_p50_ms": unloaded_ttft,
@@ -24,19 +25,23 @@ def _mode(tok_s: float, loaded_ttft: float, unloaded_ttft: float) -> dict:
 
 def test_headline_takes_the_worse_mode_and_the_paired_ttft():
     result = {
-        "off": _mode(100.0, 600.0, 200.0),
-        "file": _mode(97.0, 640.0, 200.5),
-        "otlp": _mode(99.0, 610.0, 201.5),
+        "off": _mode(100.0, 600.0, 200.0, 400.0),
+        "file": _mode(97.0, 640.0, 200.5, 404.0),
+        "otlp": _mode(99.0, 610.0, 201.5, 410.0),
         "span_cpu_ms_per_request": 0.7,
+        "collector_cpu_ms_per_request": 3.0,
     }
     _headline(result)
     assert result["tracing_throughput_ratio"] == pytest.approx(0.97)
     assert result["tracing_ttft_p50_delta_ms"] == pytest.approx(1.5)  # otlp, paired
     assert result["tracing_ttft_p50_delta_ms_loaded"] == pytest.approx(40.0)  # file, loaded
     assert result["tracing_ttft_p50_delta_ms_file"] == pytest.approx(0.5)
+    assert result["tracing_cpu_ratio"] == pytest.approx(1.025)  # otlp: 410 / 400
+    assert result["tracing_cpu_ratio_file"] == pytest.approx(1.01)
     labels = [row[0] for row in table_rows(result)]
     assert "tracing_ttft_p50_delta_ms_loaded" in labels
     assert "TTFT p50 ms, paired unloaded (otlp vs off)" in labels
+    assert "service CPU ms/request (otlp vs off)" in labels
 
 
 @pytest.mark.parametrize("flag", ["--paired", "--rounds", "--requests", "--concurrency"])
