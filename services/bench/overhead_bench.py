@@ -15,11 +15,12 @@ TTFT is the prompt's own path through coordinator, prefill, transfer and decode.
 Headline keys are the worse of the two tracing modes against off:
 `tracing_throughput_ratio` (closed loop, on / off, target >= 0.98) and
 `tracing_ttft_p50_delta_ms` (paired, on - off, target <= 1 ms); the closed loop's TTFT
-delta is reported beside it as `tracing_ttft_p50_delta_ms_loaded`. Wall-clock throughput
-drifts by a few percent between runs here, so the CPU seconds every service process spent
-per closed-loop request are reported too (`tracing_cpu_ratio`, on / off), with the stand-in
-collector's own CPU kept apart (a real collector runs elsewhere). Single TTFTs still vary
-by ±15 ms, so the paired delta comes with a bootstrap 95% interval
+delta is reported beside it as `tracing_ttft_p50_delta_ms_loaded`. The CPU seconds each service
+spent per closed-loop request are reported too, per role (`cpu_ms_per_request`) and as
+`tracing_cpu_ratio` (on / off), with the stand-in collector's own CPU kept apart (a real
+collector runs elsewhere). Decode compute dominates that figure and itself varies by several
+percent between runs here, so it shows where CPU goes rather than resolving a 2% cost.
+Single TTFTs still vary by ±15 ms, so the paired delta comes with a bootstrap 95% interval
 (`tracing_ttft_p50_delta_ms_ci95`): the resolution the run actually had.
 """
 
@@ -119,6 +120,18 @@ async def _paired_ttft(
     return ttft
 
 
+def _pids_by_role(stack: LocalStack) -> dict[str, list[int]]:
+    """Process ids by service role: "prefill-0" and "prefill-1" are both "prefill"."""
+    roles: dict[str, list[int]] = {}
+    for name, process in stack.processes.items():
+        roles.setdefault(name.split("-")[0], []).append(process.pid)
+    return roles
+
+
+def _cpu_by_role(pids: dict[str, list[int]]) -> dict[str, float | None]:
+    return {role: total_cpu_s(ids) for role, ids in pids.items()}
+
+
 def p50_delta_ci95(on: list[float], off: list[float], resamples: int = 2000) -> list[float]:
     """Bootstrap 95% interval of p50(on) - p50(off), resampling prompts (pairs kept)."""
     pairs = list(zip(on, off, strict=True))
@@ -185,8 +198,8 @@ def run(
             asyncio.run(_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n))
         timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}
         walls = dict.fromkeys(MODES, 0.0)
-        pids = {m: [p.pid for p in running[m].processes.values()] for m in MODES}
-        cpu_before = {m: total_cpu_s(pids[m]) for m in MODES}
+        pids = {m: _pids_by_role(running[m]) for m in MODES}
+        cpu_before = {m: _cpu_by_role(pids[m]) for m in MODES}
         collector_before = process_cpu_s(receiver.pid) if receiver.pid else None
         for r in range(rounds):
             for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
@@ -195,7 +208,7 @@ def run(
                 )
                 timings[mode].extend(got)
                 walls[mode] += wall
-        cpu_after = {m: total_cpu_s(pids[m]) for m in MODES}
+        cpu_after = {m: _cpu_by_role(pids[m]) for m in MODES}
         collector_after = process_cpu_s(receiver.pid) if receiver.pid else None
         # Prompts the closed loop never sent, so no mode has them cached.
         paired_ttft = asyncio.run(_paired_ttft(running, paired, 1_000_000))
@@ -208,10 +221,15 @@ def run(
     result["samples_paired_ttft_ms"] = paired_ttft
     for mode in MODES:
         before, after = cpu_before[mode], cpu_after[mode]
-        per_request = None
-        if before is not None and after is not None and timings[mode]:
-            per_request = (after - before) * 1e3 / len(timings[mode])
-        result[mode]["cpu_ms_per_request"] = per_request
+        n = len(timings[mode])
+        per_role = {
+            role: (after[role] - before[role]) * 1e3 / n
+            for role in before
+            if n and before[role] is not None and after.get(role) is not None
+        }
+        if per_role and len(per_role) == len(before):
+            per_role["total"] = sum(per_role.values())
+        result[mode]["cpu_ms_per_request"] = per_role
     result["collector_cpu_ms_per_request"] = (
         (collector_after - collector_before) * 1e3 / len(timings["otlp"])
         if collector_before is not None and collector_after is not None and timings["otlp"]
@@ -232,8 +250,10 @@ def _headline(result: dict) -> None:
     ratios, deltas, loaded, cpu = {}, {}, {}, {}
     for mode in ("file", "otlp"):
         on = result[mode]
-        if off.get("cpu_ms_per_request") and on.get("cpu_ms_per_request") is not None:
-            cpu[mode] = on["cpu_ms_per_request"] / off["cpu_ms_per_request"]
+        on_cpu = (on.get("cpu_ms_per_request") or {}).get("total")
+        off_cpu = (off.get("cpu_ms_per_request") or {}).get("total")
+        if on_cpu is not None and off_cpu:
+            cpu[mode] = on_cpu / off_cpu
         result[f"tracing_cpu_ratio_{mode}"] = cpu.get(mode)
         if off["throughput_tok_s"] and on["throughput_tok_s"]:
             ratios[mode] = on["throughput_tok_s"] / off["throughput_tok_s"]
@@ -307,14 +327,15 @@ def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
         ("tracing_ttft_p50_delta_ms_loaded", r["tracing_ttft_p50_delta_ms_loaded"], None, None)
     )
     for mode in ("file", "otlp"):
-        rows.append(
-            (
-                f"service CPU ms/request ({mode} vs off)",
-                r[mode].get("cpu_ms_per_request"),
-                off.get("cpu_ms_per_request"),
-                r.get(f"tracing_cpu_ratio_{mode}"),
-            )
+        on_cpu, off_cpu = (
+            r[mode].get("cpu_ms_per_request") or {},
+            off.get("cpu_ms_per_request") or {},
         )
+        for role in on_cpu:
+            ratio = r.get(f"tracing_cpu_ratio_{mode}") if role == "total" else None
+            rows.append(
+                (f"{role} CPU ms/request ({mode} vs off)", on_cpu[role], off_cpu.get(role), ratio)
+            )
     rows.append(
         ("collector CPU ms/request (otlp)", r.get("collector_cpu_ms_per_request"), None, None)
     )

@@ -14,7 +14,7 @@ from services.commands.trace_cmd import add_bench
 
 def _mode(tok_s: float, loaded_ttft: float, unloaded_ttft: float, cpu_ms: float) -> dict:
     return {
-        "cpu_ms_per_request": cpu_ms,
+        "cpu_ms_per_request": {"coordinator": 20.0, "decode": cpu_ms - 20.0, "total": cpu_ms},
         "throughput_tok_s": tok_s,
         "ttft_p50_ms": loaded_ttft,
         "unloaded_ttft_p50_ms": unloaded_ttft,
@@ -41,7 +41,8 @@ def test_headline_takes_the_worse_mode_and_the_paired_ttft():
     labels = [row[0] for row in table_rows(result)]
     assert "tracing_ttft_p50_delta_ms_loaded" in labels
     assert "TTFT p50 ms, paired unloaded (otlp vs off)" in labels
-    assert "service CPU ms/request (otlp vs off)" in labels
+    assert "total CPU ms/request (otlp vs off)" in labels
+    assert "coordinator CPU ms/request (otlp vs off)" in labels
 
 
 @pytest.mark.parametrize("flag", ["--paired", "--rounds", "--requests", "--concurrency"])

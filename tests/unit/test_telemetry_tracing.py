@@ -173,6 +173,53 @@ def test_full_queue_drops_and_counts_without_blocking():
     assert processor.exported + processor.dropped_queue_full == 200
 
 
+def _processor_and_tracer(exporter, **kwargs):
+    processor = BoundedSpanProcessor(exporter, **kwargs)
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(processor)
+    return processor, provider.get_tracer("t")
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_export_waits_while_a_request_is_served_here():
+    exporter = _Collecting()
+    processor, tracer = _processor_and_tracer(exporter, interval_s=0.01, max_defer_s=30.0)
+    request = tracer.start_span("request", kind=otel_trace.SpanKind.SERVER)
+    tracer.start_span("finished child").end()
+    # Several export intervals pass with the request open: the child waits, queued.
+    assert not _wait_until(lambda: exporter.spans, timeout_s=0.3)
+    assert processor.queued == 1
+    request.end()  # the process is quiet: both go out at once
+    assert _wait_until(lambda: len(exporter.spans) == 2)
+    processor.shutdown()
+
+
+def test_a_request_that_never_ends_delays_export_at_most_max_defer():
+    exporter = _Collecting()
+    processor, tracer = _processor_and_tracer(exporter, interval_s=0.01, max_defer_s=0.2)
+    tracer.start_span("stuck request", kind=otel_trace.SpanKind.SERVER)  # never ended
+    tracer.start_span("child").end()
+    assert _wait_until(lambda: [s.name for s in exporter.spans] == ["child"])
+    processor.shutdown()
+
+
+def test_flush_does_not_wait_for_open_requests():
+    exporter = _Collecting()
+    processor, tracer = _processor_and_tracer(exporter, interval_s=30.0, max_defer_s=60.0)
+    tracer.start_span("open request", kind=otel_trace.SpanKind.SERVER)
+    tracer.start_span("child").end()
+    assert processor.force_flush(5000)
+    assert [s.name for s in exporter.spans] == ["child"]
+    processor.shutdown(timeout_s=5.0)
+    assert not processor._thread.is_alive()
+
+
 def test_unreachable_collector_costs_spans_not_time():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
