@@ -111,7 +111,7 @@ async def _paired_ttft(
     ttft: dict[str, list[float]] = {m: [] for m in MODES}
     async with httpx.AsyncClient(timeout=300) as http:
         for i in range(prompts):
-            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
+            for mode in _rotated(i):
                 url = f"{running[mode].base_url}/chat/completions"
                 timing = await stream_chat(http, url, _body(first_id + i, 2), "chat")
                 if timing.error is not None or timing.ttft_ms is None:
@@ -130,6 +130,25 @@ def _pids_by_role(stack: LocalStack) -> dict[str, list[int]]:
 
 def _cpu_by_role(pids: dict[str, list[int]]) -> dict[str, float | None]:
     return {role: total_cpu_s(ids) for role, ids in pids.items()}
+
+
+def _cpu_ms_per_request(
+    before: dict[str, float | None], after: dict[str, float | None], requests: int
+) -> dict[str, float]:
+    """Per role, and in total when every role could be read; empty without /proc."""
+    per_role = {
+        role: (used_after - used) * 1e3 / requests
+        for role, used in before.items()
+        if requests and used is not None and (used_after := after.get(role)) is not None
+    }
+    if per_role and len(per_role) == len(before):
+        per_role["total"] = sum(per_role.values())
+    return per_role
+
+
+def _rotated(i: int) -> tuple[str, ...]:
+    """The modes starting from the i-th: each goes first, second and last equally often."""
+    return MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
 
 
 def p50_delta_ci95(on: list[float], off: list[float], resamples: int = 2000) -> list[float]:
@@ -202,7 +221,7 @@ def run(
         cpu_before = {m: _cpu_by_role(pids[m]) for m in MODES}
         collector_before = process_cpu_s(receiver.pid) if receiver.pid else None
         for r in range(rounds):
-            for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+            for mode in _rotated(r):
                 got, wall = asyncio.run(
                     _round(running[mode].base_url, requests, concurrency, max_tokens, r * requests)
                 )
@@ -218,18 +237,10 @@ def run(
     for mode in MODES:
         result[mode] = _summary(timings[mode], walls[mode])
         result[mode]["unloaded_ttft_p50_ms"] = percentile(paired_ttft[mode], 0.5)
+        result[mode]["cpu_ms_per_request"] = _cpu_ms_per_request(
+            cpu_before[mode], cpu_after[mode], len(timings[mode])
+        )
     result["samples_paired_ttft_ms"] = paired_ttft
-    for mode in MODES:
-        before, after = cpu_before[mode], cpu_after[mode]
-        n = len(timings[mode])
-        per_role = {
-            role: (after[role] - before[role]) * 1e3 / n
-            for role in before
-            if n and before[role] is not None and after.get(role) is not None
-        }
-        if per_role and len(per_role) == len(before):
-            per_role["total"] = sum(per_role.values())
-        result[mode]["cpu_ms_per_request"] = per_role
     result["collector_cpu_ms_per_request"] = (
         (collector_after - collector_before) * 1e3 / len(timings["otlp"])
         if collector_before is not None and collector_after is not None and timings["otlp"]

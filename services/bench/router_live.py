@@ -33,7 +33,14 @@ from services.tuner.fleet import FleetConfig
 from services.tuner.results import SimResult
 from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
-from services.tuner.validate import LiveSlice, make_slice, simulate_anchored, warm_up
+from services.tuner.validate import (
+    LiveSlice,
+    at_arrivals,
+    make_slice,
+    simulate_anchored,
+    slice_request,
+    warm_up,
+)
 from shared.config.schema import DeploymentConfig
 
 PREFILL_REPLICAS = 2
@@ -76,27 +83,12 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> LiveResult:
 
 
 async def replay(base_url: str, model: str, sl: LiveSlice) -> list[LiveResult]:
-    trace = sl.trace
     url = f"{base_url}/completions"
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
-        start = time.perf_counter()
-
-        async def one(i: int) -> LiveResult:
-            delay = trace.arrival_ms[i] / 1e3 - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            body = {
-                "model": model,
-                "prompt": sl.prompts[i],
-                "max_tokens": int(trace.output_tokens[i]),
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            return await _one(client, url, body)
-
-        return list(await asyncio.gather(*(one(i) for i in range(len(trace)))))
+    # Usage in the last chunk: cached_tokens is how the hit rate is read.
+    usage = {"stream_options": {"include_usage": True}}
+    return await at_arrivals(
+        sl, lambda client, i: _one(client, url, slice_request(model, sl, i) | usage)
+    )
 
 
 def figures(results: list[LiveResult]) -> dict:

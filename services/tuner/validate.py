@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import numpy as np
@@ -34,6 +36,8 @@ from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
 from services.tuner.validate_client import stream_completion
 from shared.config.router import RouterConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -101,31 +105,42 @@ def _prompts(trace: Trace, vocab_size: int, seed: int) -> list[list[int]]:
     return out
 
 
-async def replay(base_url: str, model: str, sl: LiveSlice) -> list[RequestTiming]:
-    url = f"{base_url}/completions"
+def slice_request(model: str, sl: LiveSlice, i: int) -> dict:
+    """Request i of the slice as a streamed /v1/completions body (greedy, exact length)."""
+    return {
+        "model": model,
+        "prompt": sl.prompts[i],
+        "max_tokens": int(sl.trace.output_tokens[i]),
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+async def at_arrivals(
+    sl: LiveSlice, send: Callable[[httpx.AsyncClient, int], Awaitable[T]]
+) -> list[T]:
+    """`send(client, i)` for every request of the slice at its arrival time (open loop: a slow
+    reply never delays the next arrival), results in slice order."""
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    trace = sl.trace
-
-    def body(i: int) -> dict:
-        return {
-            "model": model,
-            "prompt": sl.prompts[i],
-            "max_tokens": int(trace.output_tokens[i]),
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-
+    arrival_s = sl.trace.arrival_ms / 1e3
     async with httpx.AsyncClient(limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(i: int) -> RequestTiming:
-            delay = trace.arrival_ms[i] / 1e3 - (time.perf_counter() - start)
+        async def one(i: int) -> T:
+            delay = arrival_s[i] - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            return await stream_completion(client, url, body(i))
+            return await send(client, i)
 
-        return list(await asyncio.gather(*(one(i) for i in range(len(trace)))))
+        return list(await asyncio.gather(*(one(i) for i in range(len(sl.trace)))))
+
+
+async def replay(base_url: str, model: str, sl: LiveSlice) -> list[RequestTiming]:
+    url = f"{base_url}/completions"
+    return await at_arrivals(
+        sl, lambda client, i: stream_completion(client, url, slice_request(model, sl, i))
+    )
 
 
 async def warm_up(base_url: str, model: str, vocab_size: int) -> None:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.bench.overhead_bench import _headline, p50_delta_ci95, table_rows
+from services.bench.overhead_bench import _cpu_ms_per_request, _headline, p50_delta_ci95, table_rows
 from services.commands.trace_cmd import add_bench
 
 
@@ -64,3 +64,18 @@ def test_the_paired_delta_interval_brackets_the_estimate_and_narrows_with_pairs(
     few_lo, few_hi = p50_delta_ci95(noisy[:30], off[:30])
     assert lo < 3.0 < hi and hi - lo < few_hi - few_lo
     assert p50_delta_ci95(noisy, off) == [lo, hi]  # seeded: the same data, the same interval
+
+
+def test_cpu_per_request_by_role_totals_only_when_every_role_was_read():
+    before = {"coordinator": 1.0, "decode": 10.0}
+    after = {"coordinator": 1.5, "decode": 30.0}
+    assert _cpu_ms_per_request(before, after, 10) == {
+        "coordinator": 50.0,
+        "decode": 2000.0,
+        "total": 2050.0,
+    }
+    assert _cpu_ms_per_request({**before, "prefill": None}, after, 10) == {
+        "coordinator": 50.0,
+        "decode": 2000.0,
+    }
+    assert _cpu_ms_per_request(before, after, 0) == {}

@@ -4,6 +4,9 @@ anchored profile with the cost of replicas sharing cores."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
@@ -12,7 +15,7 @@ from services.tuner.calibrate import Anchoring, Probe, anchor
 from services.tuner.fleet import FleetConfig
 from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
-from services.tuner.validate import make_slice, simulate_anchored
+from services.tuner.validate import at_arrivals, make_slice, simulate_anchored, slice_request
 
 
 def _profile() -> ReplicaProfile:
@@ -108,3 +111,22 @@ def test_anchored_simulation_charges_sharing_the_cores_in_proportion_to_the_neig
     assert busy["prefill_utilization"] > 0 and busy["decode_utilization"] > 0
     assert np.all(shared.ttft_ms >= alone.ttft_ms - 1e-9)
     assert shared.latency()["ttft_p50_ms"] > alone.latency()["ttft_p50_ms"]
+
+
+def test_slice_requests_are_sent_at_their_arrivals_and_returned_in_order():
+    profile = _profile()
+    sl = make_slice("m", _mooncake_like(), profile, 1000, count=4, utilization=50.0)
+    sent: list[tuple[int, float]] = []
+
+    async def send(client, i: int) -> int:
+        sent.append((i, time.perf_counter() - start))
+        await asyncio.sleep(0.05 * (4 - i))  # early requests answer last
+        return i
+
+    start = time.perf_counter()
+    assert asyncio.run(at_arrivals(sl, send)) == [0, 1, 2, 3]
+    assert [i for i, _ in sent] == [0, 1, 2, 3]
+    # Never before its arrival (open loop: a slow reply does not hold the next one back).
+    assert all(at >= sl.trace.arrival_ms[i] / 1e3 for i, at in sent)
+    body = slice_request("m", sl, 2)
+    assert body["prompt"] == sl.prompts[2] and body["max_tokens"] == sl.trace.output_tokens[2]
