@@ -18,11 +18,10 @@ from shared.config.schema import DeploymentConfig, ModelDeployment
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.model_setup import load_serving_model
 from shared.kvcache.events import KVEvent
 from shared.kvcache.tables import BlockTable
-from shared.model.llama import LlamaModel
-from shared.model.loader import default_model_path, read_checkpoint
-from shared.quality.require import require_gate
+from shared.model.loader import default_model_path
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,10 +97,15 @@ class WorkerRuntime:
             ngram_max=spec.ngram_max,
             ngram_min=spec.ngram_min,
         )
-        # A cheaper build serves only if it passed the quality gate against fp32.
-        require_gate(self.model_cfg.weights, model=self.model_cfg.path)
         self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
-        model = LlamaModel(read_checkpoint(path), weights=self.model_cfg.weights)
+        # A cheaper build serves only if it passed the quality gate against fp32; `auto`
+        # measures the eligible formats on this machine and serves the fastest per path.
+        model, self.format_choice = load_serving_model(
+            self.model_cfg.path, self.model_cfg.weights, threads=threads
+        )
+        log.info(
+            "%s weights: prefill %s, decode %s", self.worker_id, model.weights, model.decode_weights
+        )
         layout = model.kv_layout(config.block_size)
         num_blocks = worker.kv_cache_bytes // layout.block_bytes
         self.transfer_kind = config.transfer.backend

@@ -18,7 +18,7 @@ from shared.config.router import RouterConfig
 from shared.config.speculative import SpeculativeConfig
 
 TransferBackendName = Literal["shm", "tcp", "nixl", "fake"]
-WeightsName = Literal["fp32", "bf16", "int8", "int4", "auto"]
+WeightsName = Literal["fp32", "bf16", "int8", "int4", "native", "auto"]
 RoleName = Literal["prefill", "decode", "both"]
 ExporterName = Literal["none", "file", "otlp_grpc", "otlp_http"]
 
@@ -63,7 +63,7 @@ class ModelDeployment(_Strict):
     id: str = "SmolLM2-135M-Instruct"
     path: str | None = Field(None, description="GGUF file or HF folder; None = bundled SmolLM2")
     # bf16 passed the quality gate for the bundled model (report shipped in shared/quality/reports).
-    weights: WeightsName = "bf16"
+    weights: WeightsName = "auto"
     max_model_len: int | None = Field(None, ge=16)
     pools: PoolsConfig = PoolsConfig()
     worker: WorkerConfig = WorkerConfig()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.config.speculative import MAX_SPECULATIVE_TOKENS, SpecMethod
-from shared.model.linear import WEIGHT_FORMATS, WeightFormat
+from shared.model.formats import SERVING_FORMATS
 
 Role = Literal["prefill", "decode", "both"]
 PreemptionMode = Literal["recompute", "swap"]
@@ -19,7 +19,7 @@ BACKGROUND_PRIORITY = 2
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2
-    weights: WeightFormat = "fp32"
+    weights: str = "fp32"  # one of SERVING_FORMATS; `auto` is chosen by measurement
     role: Role = "both"
     block_size: int = 16
     kv_cache_bytes: int = 256 * 1024 * 1024
@@ -46,9 +46,9 @@ class EngineConfig:
     ngram_min: int = 1
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHT_FORMATS:
+        if self.weights not in SERVING_FORMATS:
             raise ValueError(
-                f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}"
+                f"weights must be one of {', '.join(SERVING_FORMATS)}, got {self.weights!r}"
             )
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.model_setup import load_serving_model
 from shared.engine.output import RequestOutput, TextTracker, TokenLogprob
 from shared.engine.runner import ModelRunner, StepResult
 from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -20,7 +21,6 @@ from shared.kvcache.pool import KVPool
 from shared.kvcache.tables import BlockTable
 from shared.kvcache.tiers import HostTier
 from shared.model.llama import LlamaModel
-from shared.model.loader import load_model
 from shared.sampling.batch import make_generator
 from shared.sampling.params import SamplingParamError, SamplingParams
 from shared.speculative.calibrate import measure_step_costs
@@ -53,7 +53,12 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model = model or load_model(config.model, config.weights, config.device)
+        self.format_choice = None
+        if model is None:
+            model, self.format_choice = load_serving_model(
+                config.model, config.weights, config.device, config.num_threads
+            )
+        self.model = model
         self.tokenizer = tokenizer
         model_cfg = self.model.config
         self.max_model_len = min(

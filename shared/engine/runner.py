@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
@@ -40,33 +41,42 @@ class ModelRunner:
         self.device = model.device
 
     def run(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: set[int]) -> StepResult:
-        ids: list[int] = []
+        # Rows of output positions (decode, verify) run on the model's decode path, prompt
+        # rows on its prefill path: a row's numerics depend on its kind, never on what else
+        # shares its step, so greedy output is the same alone, batched or chunked.
+        decode_items = [i for i, s in enumerate(scheduled) if self._is_decode(s)]
+        prompt_items = [i for i in range(len(scheduled)) if i not in set(decode_items)]
+        starts: list[int] = []
+        total = 0
         for item in scheduled:
-            start = item.seq.num_computed_tokens
-            ids.extend(item.seq.token_ids[start : start + item.num_tokens - item.num_draft])
-            if item.num_draft:
-                assert item.seq.draft is not None
-                ids.extend(item.seq.draft.token_ids)
-        meta = AttentionMetadata(
-            query_lens=[s.num_tokens for s in scheduled],
-            context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in scheduled],
-            block_tables=[s.seq.table.block_ids for s in scheduled],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=self.device), meta, self.pool
-        )
-        ends = meta.last_token_indices().tolist()
-        sampled = [s for s in scheduled if s.completes_prompt]
-        rows = [end for s, end in zip(scheduled, ends, strict=True) if s.completes_prompt]
+            starts.append(total)
+            total += item.num_tokens
+        hidden = torch.empty((total, self.model.config.hidden_size), dtype=torch.float32)
+        for group, decode in ((prompt_items, False), (decode_items, True)):
+            if not group:
+                continue
+            part = self._forward([scheduled[i] for i in group], decode)
+            if len(group) == len(scheduled):
+                hidden = part
+                break
+            offset = 0
+            for i in group:
+                n = scheduled[i].num_tokens
+                hidden[starts[i] : starts[i] + n] = part[offset : offset + n]
+                offset += n
+        decode_rows = {i for i in decode_items}
+        ends = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled)]
+        sampled_index = [i for i, s in enumerate(scheduled) if s.completes_prompt]
+        sampled = [scheduled[i] for i in sampled_index]
+        rows = [ends[i] for i in sampled_index]
         samples = None
         verified = None
         verified_logprobs = None
         if sampled and any(s.num_draft for s in sampled):
-            verified, verified_logprobs = self._verify(sampled, hidden, rows)
+            kinds = [i in decode_rows for i in sampled_index]
+            verified, verified_logprobs = self._verify(sampled, hidden, rows, kinds)
         elif sampled:
-            logits = self.model.logits(hidden[rows])
+            logits = self._logits(hidden, rows, [i in decode_rows for i in sampled_index])
             batch = SamplingBatch.build(
                 params=[s.seq.params for s in sampled],
                 generators=[s.seq.generator for s in sampled],
@@ -81,18 +91,96 @@ class ModelRunner:
                 prompt_logprobs[index] = self._chunk_logprobs(item, hidden, end)
         return StepResult(sampled, samples, prompt_logprobs, verified, verified_logprobs)
 
+    @staticmethod
+    def _is_decode(item: ScheduledSeq) -> bool:
+        return item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+
+    @staticmethod
+    def _new_token_ids(item: ScheduledSeq) -> list[int]:
+        """The tokens this step computes, sliced from prompt or output without rebuilding
+        prompt + output (a per-step cost that would grow with the conversation)."""
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_tokens - item.num_draft
+        prompt_len = seq.num_prompt_tokens
+        if start >= prompt_len:
+            ids = seq.output_token_ids[start - prompt_len : end - prompt_len]
+        elif end <= prompt_len:
+            ids = seq.prompt_token_ids[start:end]
+        else:
+            ids = seq.prompt_token_ids[start:] + seq.output_token_ids[: end - prompt_len]
+        if item.num_draft:
+            assert seq.draft is not None
+            ids = ids + list(seq.draft.token_ids)
+        return ids
+
+    def _forward(self, items: list[ScheduledSeq], decode: bool) -> torch.Tensor:
+        ids: list[int] = []
+        for item in items:
+            ids.extend(self._new_token_ids(item))
+        native = self.model.native if self.model.torch_path(decode) is None else None
+        if native is not None:
+            positions: list[int] = []
+            tables: list[list[int]] = []
+            width = max(len(item.seq.table.block_ids) for item in items)
+            for item in items:
+                start = item.seq.num_computed_tokens
+                positions.extend(range(start, start + item.num_tokens))
+                table = item.seq.table.block_ids
+                padded = table + [0] * (width - len(table))
+                tables.extend([padded] * item.num_tokens)
+            return native.forward(
+                np.asarray(ids, dtype=np.int64),
+                np.asarray(positions, dtype=np.int32),
+                np.asarray(tables, dtype=np.int32).reshape(len(positions), width),
+                self.pool.tensor,
+                self.block_size,
+            )
+        meta = AttentionMetadata(
+            query_lens=[s.num_tokens for s in items],
+            context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in items],
+            block_tables=[s.seq.table.block_ids for s in items],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        return self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            meta,
+            self.pool,
+            self.model.torch_path(decode),
+        )
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int], decode: list[bool]) -> torch.Tensor:
+        """Logits of `rows`, each with the head of the path its row ran on."""
+        if all(decode) or not any(decode):
+            return self.model.logits(hidden[rows], decode=bool(decode and decode[0]))
+        out = torch.empty((len(rows), self.model.config.vocab_size), dtype=torch.float32)
+        for kind in (False, True):
+            picked = [i for i, d in enumerate(decode) if d is kind]
+            if picked:
+                out[picked] = self.model.logits(
+                    hidden[[rows[i] for i in picked]], decode=kind
+                ).float()
+        return out
+
     def _verify(
-        self, sampled: list[ScheduledSeq], hidden: torch.Tensor, ends: list[int]
+        self,
+        sampled: list[ScheduledSeq],
+        hidden: torch.Tensor,
+        ends: list[int],
+        decode: list[bool],
     ) -> tuple[list[Verified], dict[int, TokenLogprob]]:
         """Logits at every drafted position of every row, verified in one batch."""
         rows: list[int] = []
         logprob_rows: dict[int, int] = {}  # sampled row -> its logits row
         items: list[VerifyInput] = []
-        for item, end in zip(sampled, ends, strict=True):
+        row_kinds: list[bool] = []
+        for item, end, kind in zip(sampled, ends, decode, strict=True):
             seq = item.seq
             if seq.params.logprobs is not None and not item.num_draft:
                 logprob_rows[len(items)] = len(rows)
             rows.extend(range(end - item.num_draft, end + 1))
+            row_kinds.extend([kind] * (item.num_draft + 1))
             draft = seq.draft if item.num_draft else None
             items.append(
                 VerifyInput(
@@ -103,7 +191,7 @@ class ModelRunner:
                     draft if draft is not None else Draft([]),
                 )
             )
-        logits = self.model.logits(hidden[rows])
+        logits = self._logits(hidden, rows, row_kinds)
         shared = self.sampler.shared_generator(self.device)
         verified = verify(logits, items, self.sampler, shared)
         logprobs: dict[int, TokenLogprob] = {}
@@ -127,7 +215,7 @@ class ModelRunner:
             return []
         first_row = end - item.num_tokens + 1
         rows = torch.tensor([first_row + (p - start) for p in positions], device=self.device)
-        logits = self.model.logits(hidden[rows]).float()
+        logits = self.model.logits(hidden[rows], decode=False).float()
         targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in positions], device=self.device)
         logprobs = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
         return logprobs.tolist()

@@ -54,6 +54,8 @@ class Checkpoint:
     source: str
     # Name -> (uint8 blocks [out, in/32, 20]) for Q4_1 tensors, already un-permuted.
     q4_1_blocks: dict[str, np.ndarray] = field(default_factory=dict)
+    # Name -> (uint8 blocks [out, in/32, 34]) for Q8_0 tensors (the native step reads them).
+    q8_0_blocks: dict[str, np.ndarray] = field(default_factory=dict)
     metadata: dict[str, object] = field(default_factory=dict)
 
 
@@ -149,6 +151,7 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
     n_heads, n_kv = config.num_heads, config.num_kv_heads
     tensors: dict[str, torch.Tensor] = {}
     q4_1: dict[str, np.ndarray] = {}
+    q8_0: dict[str, np.ndarray] = {}
     file_size = os.path.getsize(path)
     for t in reader.tensors:
         type_name = t.tensor_type.name
@@ -166,14 +169,22 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
         if heads:
             weight = unpermute_rope_rows(weight, heads)
         tensors[name] = weight
-        if type_name == "Q4_1":
-            blocks = np.asarray(t.data).reshape(shape[0], -1, 20)
+        if type_name in ("Q4_1", "Q8_0"):
+            width = 20 if type_name == "Q4_1" else 34
+            blocks = np.asarray(t.data).reshape(shape[0], -1, width)
             if heads:
                 blocks = unpermute_rope_rows(torch.from_numpy(blocks.copy()), heads).numpy()
-            q4_1[name] = blocks
+            (q4_1 if type_name == "Q4_1" else q8_0)[name] = blocks
     _check_complete(path, config, tensors)
     meta = {k: _field_value(reader, k) for k in ("general.name", "general.file_type")}
-    return Checkpoint(config=config, tensors=tensors, source=path, q4_1_blocks=q4_1, metadata=meta)
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        source=path,
+        q4_1_blocks=q4_1,
+        q8_0_blocks=q8_0,
+        metadata=meta,
+    )
 
 
 def _our_name(gguf_name: str) -> str | None:

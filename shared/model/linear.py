@@ -1,12 +1,9 @@
-"""Linear layers in the weight formats we serve: fp32, bf16, int8 / int4 weight-only, and auto.
+"""Linear layers in the torch weight formats: fp32, bf16, int8 / int4 weight-only.
 
-Measured on this 2-core AVX512-BF16 machine (one 576x1536 matmul): torch's int4 weight-only
-kernel takes ~34 us at 1 row but grows linearly with rows (~380 us at 32), while dense bf16
-costs ~170 us at 1 row and only ~330 us at 32 (it is bandwidth-bound until the batch is large).
-Both quantized kernels are only fast with bf16 activations (fp32 activations fall to a slow
-generic path, ~25x slower). So `auto` keeps the int4 weights for steps of few rows (decode of
-small batches) and a dense bf16 copy for steps of many rows (prefill, big decode batches).
-The residual stream stays fp32; only matmul inputs are rounded to bf16.
+torch's quantized CPU kernels are only fast with bf16 activations (fp32 activations fall to a
+slow generic path), so the non-fp32 formats round matmul inputs to bf16; the residual stream
+stays fp32. Which format is fastest depends on the CPU (a CPU without native bf16 runs bf16
+GEMMs several times slower than fp32): `shared/model/formats.py` measures it per machine.
 """
 
 from __future__ import annotations
@@ -17,12 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-WeightFormat = Literal["fp32", "bf16", "int8", "int4", "auto"]
-WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "auto")
+WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 
 INT4_GROUP = 32
-# At or below this many rows per step, `auto` uses the int4 kernel (crossover measured above).
-AUTO_INT4_MAX_ROWS = 16
 _INNER_K_TILES = 8
 
 
@@ -66,13 +61,13 @@ class Linear:
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         if fmt == "fp32":
             self.fp32 = weight.contiguous()
-        if fmt in ("bf16", "auto"):
+        if fmt == "bf16":
             self.bf16 = weight.to(torch.bfloat16).contiguous()
         if fmt == "int8":
             scale = weight.abs().amax(dim=1).clamp(min=1e-10) / 127.0
             q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             self.int8 = (q.contiguous(), scale.to(torch.bfloat16))
-        if fmt in ("int4", "auto"):
+        if fmt == "int4":
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
             q, scales_zeros = (
@@ -94,14 +89,13 @@ class Linear:
             return n * 2
         if self.fmt == "int8":
             return n + self.out_features * 2
-        return n // 2 + (n // INT4_GROUP) * 4  # int4 / auto at batch 1
+        return n // 2 + (n // INT4_GROUP) * 4  # int4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
         if self.fp32 is not None:
             return F.linear(x, self.fp32)
         xb = x.to(torch.bfloat16)
-        if self.int4 is not None and (self.bf16 is None or rows <= AUTO_INT4_MAX_ROWS):
+        if self.int4 is not None:
             packed, scales_zeros = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, INT4_GROUP, scales_zeros)
         elif self.int8 is not None:

@@ -8,6 +8,7 @@ matmul each (fewer, larger kernel calls).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,19 +20,66 @@ from shared.kvcache.pool import KVLayout, KVPool
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import Checkpoint
 from shared.model.linear import Linear, WeightFormat, fuse_q4_1, fuse_rows
+from shared.model.native_step import NativeMatrix, NativeStep
+
+Matrix = Linear | NativeMatrix  # y = x @ W.T, whichever kernel computes it
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: Linear
-    o_proj: Linear
+    qkv: Matrix
+    o_proj: Matrix
     post_attention_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Matrix
+    down: Matrix
 
 
-_HEAD_FORMAT: dict[str, WeightFormat] = {"int4": "bf16", "auto": "bf16"}
+_HEAD_FORMAT: dict[str, WeightFormat] = {"int4": "bf16"}
+
+# What a path can run in: a torch weight format, or the native step.
+ModelFormat = Literal["fp32", "bf16", "int8", "int4", "native"]
+MODEL_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native")
+
+
+class NativeUnavailable(RuntimeError):
+    """`native` was asked for where the native step cannot run (no compiler, not a CPU)."""
+
+
+def _torch_layers(
+    checkpoint: Checkpoint, weights: WeightFormat, dev: torch.device
+) -> tuple[list[_Layer], Linear]:
+    cfg = checkpoint.config
+    t = checkpoint.tensors
+    blocks = checkpoint.q4_1_blocks
+    head = t.get("lm_head", t["embed_tokens"])
+    # The output projection decides the argmax: 4-bit groups there flipped 14.5% of fp32's
+    # top-1 tokens (quality gate, PIQA set), so int4 builds keep it in bf16.
+    lm_head = Linear(head.to(dev), _HEAD_FORMAT.get(weights, weights), blocks.get("lm_head"))
+    layers: list[_Layer] = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        qkv_names = [p + "q_proj", p + "k_proj", p + "v_proj"]
+        gate_up_names = [p + "gate_proj", p + "up_proj"]
+        layers.append(
+            _Layer(
+                input_norm=t[p + "input_norm"].to(dev),
+                qkv=Linear(
+                    fuse_rows([t[n] for n in qkv_names]).to(dev),
+                    weights,
+                    fuse_q4_1([blocks.get(n) for n in qkv_names]),
+                ),
+                o_proj=Linear(t[p + "o_proj"].to(dev), weights, blocks.get(p + "o_proj")),
+                post_attention_norm=t[p + "post_attention_norm"].to(dev),
+                gate_up=Linear(
+                    fuse_rows([t[n] for n in gate_up_names]).to(dev),
+                    weights,
+                    fuse_q4_1([blocks.get(n) for n in gate_up_names]),
+                ),
+                down=Linear(t[p + "down_proj"].to(dev), weights, blocks.get(p + "down_proj")),
+            )
+        )
+    return layers, lm_head
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,54 +108,76 @@ class RotaryEmbedding:
 
 
 class LlamaModel:
+    """One model, computed on two paths: prompt rows (prefill chunks) in `weights`, and
+    decode/verify rows in `decode_weights` (default: the same). Either may be `native`, the
+    one-call C step over the file's own quantized blocks (shared/model/native_step.py);
+    a path whose format is a torch format runs the layers below, op by op."""
+
     def __init__(
         self,
         checkpoint: Checkpoint,
-        weights: WeightFormat = "fp32",
+        weights: ModelFormat = "fp32",
         device: str | torch.device = "cpu",
         attention: AttentionBackend | None = None,
+        decode_weights: ModelFormat | None = None,
     ):
         cfg = checkpoint.config
+        for fmt in (weights, decode_weights):
+            if fmt is not None and fmt not in MODEL_FORMATS:
+                raise ValueError(
+                    f"unknown weight format '{fmt}' (valid: {', '.join(MODEL_FORMATS)})"
+                )
         self.config: ModelConfig = cfg
-        self.weights = weights
+        self.weights: ModelFormat = weights
+        self.decode_weights: ModelFormat = decode_weights or weights
         self.device = torch.device(device)
         self.attention = attention or TorchPagedAttention()
         t = checkpoint.tensors
-        blocks = checkpoint.q4_1_blocks
         dev = self.device
         self.embed_tokens = t["embed_tokens"].to(dev)
         self.norm = t["norm"].to(dev)
-        head = t.get("lm_head", t["embed_tokens"])
-        # The output projection decides the argmax: 4-bit groups there flipped 14.5% of fp32's
-        # top-1 tokens (quality gate, PIQA set), so int4 builds keep it in bf16.
-        self.lm_head = Linear(
-            head.to(dev), _HEAD_FORMAT.get(weights, weights), blocks.get("lm_head")
-        )
-        self.layers: list[_Layer] = []
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            qkv_names = [p + "q_proj", p + "k_proj", p + "v_proj"]
-            gate_up_names = [p + "gate_proj", p + "up_proj"]
-            self.layers.append(
-                _Layer(
-                    input_norm=t[p + "input_norm"].to(dev),
-                    qkv=Linear(
-                        fuse_rows([t[n] for n in qkv_names]).to(dev),
-                        weights,
-                        fuse_q4_1([blocks.get(n) for n in qkv_names]),
-                    ),
-                    o_proj=Linear(t[p + "o_proj"].to(dev), weights, blocks.get(p + "o_proj")),
-                    post_attention_norm=t[p + "post_attention_norm"].to(dev),
-                    gate_up=Linear(
-                        fuse_rows([t[n] for n in gate_up_names]).to(dev),
-                        weights,
-                        fuse_q4_1([blocks.get(n) for n in gate_up_names]),
-                    ),
-                    down=Linear(t[p + "down_proj"].to(dev), weights, blocks.get(p + "down_proj")),
-                )
-            )
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, dev)
         self.scale = cfg.head_dim**-0.5
+        self.native: NativeStep | None = None
+        self.native_reason = "not asked for"
+        if "native" in (self.weights, self.decode_weights):
+            self.native, self.native_reason = NativeStep.create(
+                checkpoint, self.embed_tokens, self.rope.cos, self.rope.sin
+            )
+            if self.native is None:
+                raise NativeUnavailable(f"the native step is unavailable: {self.native_reason}")
+        # Torch layers per torch format in use (usually one; two only if the chooser measured
+        # two different torch formats fastest for the two paths).
+        self._torch: dict[str, tuple[list[_Layer], Linear]] = {}
+        for fmt in dict.fromkeys((self.weights, self.decode_weights)):
+            if fmt != "native":
+                self._torch[fmt] = _torch_layers(checkpoint, fmt, dev)  # type: ignore[arg-type]
+        # The layers of the prompt path, matrices as callables (the quality gate's dense
+        # forward reads them): torch Linears, or the native kernel's own matrices.
+        if self.weights == "native":
+            assert self.native is not None
+            self.layers = [
+                _Layer(
+                    input_norm=t[f"layers.{i}.input_norm"].to(dev),
+                    qkv=self.native.matrix(i, "qkv"),
+                    o_proj=self.native.matrix(i, "o_proj"),
+                    post_attention_norm=t[f"layers.{i}.post_attention_norm"].to(dev),
+                    gate_up=self.native.matrix(i, "gate_up"),
+                    down=self.native.matrix(i, "down"),
+                )
+                for i in range(cfg.num_layers)
+            ]
+            self.lm_head = self.native.matrix(-1, "head")
+        else:
+            self.layers, self.lm_head = self._torch[self.weights]
+
+    @property
+    def decode_native(self) -> bool:
+        return self.decode_weights == "native"
+
+    @property
+    def prefill_native(self) -> bool:
+        return self.weights == "native"
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -124,25 +194,41 @@ class LlamaModel:
     @property
     def weight_bytes_per_token_step(self) -> int:
         """Bytes of weights one batch-1 decode step reads (embedding row lookup excluded)."""
+        if self.native is not None and self.decode_native:
+            return self.native.nbytes.per_step_b1
+        layers, head = self._torch[self.decode_weights]
         per_layer = [
             lyr.qkv.nbytes_per_call
             + lyr.o_proj.nbytes_per_call
             + lyr.gate_up.nbytes_per_call
             + lyr.down.nbytes_per_call
-            for lyr in self.layers
+            for lyr in layers
         ]
-        return sum(per_layer) + self.lm_head.nbytes_per_call
+        return sum(per_layer) + head.nbytes_per_call
+
+    def torch_path(self, decode: bool) -> str | None:
+        """The torch format a path runs in, or None when it runs natively."""
+        fmt = self.decode_weights if decode else self.weights
+        return None if fmt == "native" else fmt
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
-        """input_ids [tokens] -> final-norm hidden states [tokens, hidden]."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
+        fmt: str | None = None,
+    ) -> torch.Tensor:
+        """input_ids [tokens] -> final-norm hidden states [tokens, hidden], op by op in torch
+        format `fmt` (default: the prompt path's)."""
         cfg = self.config
+        layers = self._torch[fmt or self.torch_path(decode=False) or next(iter(self._torch))][0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = self.rope.tables(meta.positions())
         self.attention.prepare(meta)
         x = self.embed_tokens[input_ids]
         n = x.shape[0]
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
             # Q and K heads rotate together: one RoPE application per layer, not two.
@@ -160,5 +246,10 @@ class LlamaModel:
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Logits of final hidden states, with the head of the path they came from."""
+        fmt = self.decode_weights if decode else self.weights
+        if fmt == "native":
+            assert self.native is not None
+            return self.native.logits(hidden)
+        return self._torch[fmt][1](hidden)

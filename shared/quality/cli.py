@@ -19,7 +19,7 @@ import torch
 
 from shared.model.config import ModelFileError
 from shared.model.gguf_file import Checkpoint
-from shared.model.linear import WEIGHT_FORMATS
+from shared.model.linear import WEIGHT_FORMATS as TORCH_FORMATS
 from shared.model.llama import LlamaModel
 from shared.model.loader import default_model_path, read_checkpoint
 from shared.quality.agreement import load_agreement_texts
@@ -37,6 +37,8 @@ from shared.quality.piqa import load_piqa
 from shared.quality.report import GateReport, default_report_path, model_fingerprint
 from shared.quality.text_encoder import TextEncoder, load_text_encoder
 
+# What `eval` can gate: each torch format, and the native step (checked like any other).
+WEIGHT_FORMATS = (*TORCH_FORMATS, "native")
 EXIT_PASSED = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2

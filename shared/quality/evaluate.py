@@ -1,9 +1,7 @@
 """Evaluate a build against the fp32 baseline: PIQA paired, top-1 agreement, the gate verdict.
 
-A weight format can run more than one kernel path. `auto` computes steps of few rows (decode)
-with the int4 kernel and larger steps (prefill) with dense bf16, so it is evaluated once per
-path — the int4 path by feeding every matmul at most AUTO_INT4_MAX_ROWS rows — and passes
-only if both paths pass. Evaluating it in big batches alone would test only its bf16 half.
+Each format is one kernel path for every matrix (`auto` is not a format: it serves whichever
+gated formats measure fastest, so it has no report of its own).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.linear import AUTO_INT4_MAX_ROWS
 from shared.model.llama import LlamaModel
 from shared.quality.agreement import Agreement, top1_agreement, top1_predictions
 from shared.quality.gate import GateResult, judge_comparison
@@ -33,11 +30,6 @@ class EvalPath:
 
 
 def eval_paths(weights: str) -> tuple[EvalPath, ...]:
-    if weights == "auto":
-        return (
-            EvalPath("auto/prefill(bf16)", None),
-            EvalPath("auto/decode(int4)", AUTO_INT4_MAX_ROWS),
-        )
     return (EvalPath(weights, None),)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from shared.model.formats import SERVING_FORMATS
 from shared.model.linear import WEIGHT_FORMATS
 from shared.model.loader import default_model_path
 from shared.quality.gate import (
@@ -20,7 +21,11 @@ from shared.quality.report import GateReport, default_report_path, model_fingerp
 # Reports for the bundled model, measured by `splitserve eval` and shipped with the project so
 # that a fresh install can serve the cheaper builds it was gated for.
 SHIPPED_REPORTS = Path(__file__).resolve().parent / "reports"
-AUTO_PATHS = ("int4", "bf16")
+# The native step computes with the very weights the fp32 build holds: each fp32 weight is the
+# exact dequantization of the file's block it reads (tests/unit/test_native_step.py checks the
+# logits agree with fp32's to 1e-3), so it is the baseline's arithmetic in another order, not a
+# lossy build, and needs no PIQA report of its own.
+BASELINE_EQUIVALENT = ("native",)
 
 
 def _find(fingerprint: str, weights: str, cache_dir) -> Path | None:
@@ -52,20 +57,17 @@ def require_gate(
     still meet today's limits — they are re-judged here, so tightening a limit takes effect
     on reports written before.
     """
-    if weights == BASELINE_WEIGHTS:
+    if weights == BASELINE_WEIGHTS or weights in BASELINE_EQUIVALENT:
+        return None
+    if weights == "auto":
+        # `auto` serves only formats that pass here (see eligible_formats), fp32 at least.
         return None
     if weights not in WEIGHT_FORMATS:
         raise QualityGateError(
-            f"unknown weight format '{weights}' (valid: {', '.join(WEIGHT_FORMATS)})"
+            f"unknown weight format '{weights}' (valid: {', '.join(SERVING_FORMATS)})"
         )
     model_path = str(model) if model is not None else default_model_path()
     fingerprint = model_fingerprint(model_path)
-    if report_path is None and weights == "auto" and not _find(fingerprint, weights, cache_dir):
-        # `auto` runs exactly two paths (int4 for small decode steps, bf16 above): it may serve
-        # when both builds passed on their own.
-        for part in AUTO_PATHS:
-            require_gate(part, None, model, cache_dir)
-        return None
     path = (
         Path(report_path)
         if report_path is not None
@@ -108,3 +110,21 @@ def require_gate(
             f"({MAX_PIQA_DELTA_POINTS} points, {MIN_TOP1_AGREEMENT}); {fix}"
         )
     return report
+
+
+def eligible_formats(
+    model: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Formats `auto` may choose for `model`, and why each other one may not."""
+    eligible = [BASELINE_WEIGHTS, *BASELINE_EQUIVALENT]
+    refused: dict[str, str] = {}
+    for weights in WEIGHT_FORMATS:
+        if weights == BASELINE_WEIGHTS:
+            continue
+        try:
+            require_gate(weights, None, model, cache_dir)
+        except QualityGateError as exc:
+            refused[weights] = str(exc)
+        else:
+            eligible.append(weights)
+    return eligible, refused

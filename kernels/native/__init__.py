@@ -1,0 +1,1 @@
+"""Native CPU kernels: C sources built on the machine that runs them (see `build`)."""

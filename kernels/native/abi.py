@@ -1,0 +1,82 @@
+"""ctypes mirrors of the C structs in decode_step.c (field order and types must match)."""
+
+from __future__ import annotations
+
+import ctypes
+
+F32, Q4_1, Q8_0 = 0, 1, 2
+Q4_1_BYTES, Q8_0_BYTES, GROUP = 20, 34, 32
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("out_features", ctypes.c_int32),
+        ("in_features", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("data", ctypes.c_void_p),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", Linear),
+        ("o_proj", Linear),
+        ("gate_up", Linear),
+        ("down", Linear),
+    ]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("max_pos", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("embed", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(Layer)),
+        ("head", Linear),
+    ]
+
+
+class KV(ctypes.Structure):
+    _fields_ = [
+        ("cache", ctypes.c_void_p),
+        ("block_size", ctypes.c_int32),
+        ("max_blocks", ctypes.c_int32),
+        ("block_tables", ctypes.c_void_p),
+    ]
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    lib.ss_forward.argtypes = [
+        ctypes.POINTER(Model),
+        ctypes.POINTER(KV),
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    lib.ss_forward.restype = ctypes.c_int
+    lib.ss_linear_forward.argtypes = [
+        ctypes.POINTER(Linear),
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    lib.ss_linear_forward.restype = ctypes.c_int
+    lib.ss_simd.argtypes = []
+    lib.ss_simd.restype = ctypes.c_int

@@ -1,0 +1,43 @@
+"""Load the model a replica serves, in the format(s) its config asks for.
+
+`auto` (the default) takes the formats that passed the quality gate for this model and lets
+`shared/model/formats.py` measure which is fastest on this machine for each path; a fixed
+format is served as asked, if its gate report allows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from shared.model.formats import FormatChoice, choose
+from shared.model.llama import LlamaModel
+from shared.model.loader import default_model_path, read_checkpoint
+from shared.quality.report import model_fingerprint
+from shared.quality.require import eligible_formats, require_gate
+
+log = logging.getLogger(__name__)
+
+
+def load_serving_model(
+    path: str | os.PathLike | None,
+    weights: str,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> tuple[LlamaModel, FormatChoice | None]:
+    model_path = str(path) if path is not None else default_model_path()
+    checkpoint = read_checkpoint(model_path)
+    if weights != "auto":
+        require_gate(weights, model=path)
+        return LlamaModel(checkpoint, weights=weights, device=device), None  # type: ignore[arg-type]
+    eligible, refused = eligible_formats(path)
+    if device != "cpu":
+        eligible = [w for w in eligible if w != "native"]
+    choice = choose(checkpoint, eligible, model_fingerprint(model_path), threads)
+    log.info("weights auto: %s", choice.describe())
+    for fmt, why in refused.items():
+        log.info("weights auto: %s not eligible: %s", fmt, why)
+    model = LlamaModel(
+        checkpoint, weights=choice.prefill, decode_weights=choice.decode, device=device
+    )
+    return model, choice

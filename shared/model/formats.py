@@ -1,0 +1,203 @@
+"""Which format each path runs in on this machine, chosen by measuring, not by rule.
+
+A format's speed depends on the CPU: without native bf16, torch's bf16 GEMMs run several times
+slower than fp32; the native step wins decode where bytes bound the step, and MKL's fp32 GEMM
+wins long prompt chunks. So `weights: auto` times every eligible format (those with a passing
+quality report) for the shapes each path runs — a prompt chunk for prefill, batch-1 and
+batch-8 decode steps for decode — and picks the fastest per path. Timings are taken on a
+two-layer slice of the real model and scaled to its depth; the choice is cached per hardware
+signature, thread count and model, so a restart does not measure again, and a new machine does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.native.build import cache_dir as native_cache_dir
+from kernels.native.build import cpu_signature
+from shared.kvcache.pool import KVPool
+from shared.model.gguf_file import Checkpoint
+from shared.model.llama import LlamaModel, ModelFormat, NativeUnavailable
+
+log = logging.getLogger(__name__)
+
+# What a replica config may ask for: one format for both paths, or `auto` (measured).
+SERVING_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "auto")
+CHOOSER_VERSION = 1  # bump when what is measured changes, so old cached choices are redone
+PREFILL_CHUNK = 128
+DECODE_CONTEXT = 256
+DECODE_BATCHES = (1, 8)
+SLICE_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    prefill: ModelFormat
+    decode: ModelFormat
+    # format -> {"prefill_ms_per_token", "decode_b1_ms", "decode_b8_ms"} for the whole model
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    cached: bool = False
+    skipped: dict[str, str] = field(default_factory=dict)  # format -> why it was not timed
+
+    def describe(self) -> str:
+        rows = ", ".join(
+            f"{fmt}: prefill {t['prefill_ms_per_token']:.2f} ms/token, decode b1 "
+            f"{t['decode_b1_ms']:.1f} ms, b8 {t['decode_b8_ms']:.1f} ms"
+            for fmt, t in sorted(self.timings.items())
+        )
+        skipped = "; ".join(f"{f} skipped ({why})" for f, why in self.skipped.items())
+        source = "cached measurement" if self.cached else "measured now"
+        return f"prefill={self.prefill} decode={self.decode} ({source}: {rows})" + (
+            f"; {skipped}" if skipped else ""
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "timings": self.timings,
+            "skipped": self.skipped,
+        }
+
+
+def _slice(checkpoint: Checkpoint) -> Checkpoint:
+    layers = min(SLICE_LAYERS, checkpoint.config.num_layers)
+    return dataclasses.replace(
+        checkpoint, config=dataclasses.replace(checkpoint.config, num_layers=layers)
+    )
+
+
+def _best_of(fn, repeats: int = 3) -> float:
+    fn()  # warm: first calls allocate and (for the native step) start threads
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _time_format(checkpoint: Checkpoint, fmt: ModelFormat, scale: float) -> dict[str, float]:
+    model = LlamaModel(checkpoint, weights=fmt)
+    cfg = checkpoint.config
+    layout = model.kv_layout(16)
+    blocks = (PREFILL_CHUNK + DECODE_CONTEXT) // 16 + 2
+    pool = KVPool(layout, blocks * max(DECODE_BATCHES))
+    rng = np.random.default_rng(0)
+    table = list(range(blocks))
+
+    def prefill() -> None:
+        ids = torch.from_numpy(rng.integers(100, cfg.vocab_size - 100, PREFILL_CHUNK))
+        if model.native is not None and model.prefill_native:
+            model.native.forward(
+                ids.numpy().astype(np.int64),
+                np.arange(PREFILL_CHUNK, dtype=np.int32),
+                np.asarray([table] * PREFILL_CHUNK, dtype=np.int32),
+                pool.tensor,
+                16,
+            )
+        else:
+            meta = AttentionMetadata([PREFILL_CHUNK], [PREFILL_CHUNK], [table], 16)
+            model.forward(ids, meta, pool)
+
+    def decode(batch: int):
+        tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
+
+        def step() -> None:
+            ids = torch.full((batch,), 200, dtype=torch.long)
+            if model.decode_native:
+                assert model.native is not None
+                hidden = model.native.forward(
+                    ids.numpy(),
+                    np.full(batch, DECODE_CONTEXT, dtype=np.int32),
+                    np.asarray(tables, dtype=np.int32),
+                    pool.tensor,
+                    16,
+                )
+            else:
+                meta = AttentionMetadata([1] * batch, [DECODE_CONTEXT + 1] * batch, tables, 16)
+                hidden = model.forward(ids, meta, pool)
+            return hidden
+
+        return step
+
+    head_in = torch.randn(max(DECODE_BATCHES), cfg.hidden_size)
+    result = {"prefill_ms_per_token": _best_of(prefill) * scale * 1e3 / PREFILL_CHUNK}
+    for batch in DECODE_BATCHES:
+        body = _best_of(decode(batch)) * scale
+        head = _best_of(lambda b=batch: model.logits(head_in[:b], decode=True))
+        result[f"decode_b{batch}_ms"] = (body + head) * 1e3
+    return result
+
+
+def measure(checkpoint: Checkpoint, eligible: Sequence[str]) -> FormatChoice:
+    small = _slice(checkpoint)
+    scale = checkpoint.config.num_layers / small.config.num_layers
+    timings: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    for fmt in eligible:
+        try:
+            timings[fmt] = _time_format(small, fmt, scale)  # type: ignore[arg-type]
+        except NativeUnavailable as exc:
+            skipped[fmt] = str(exc)
+    if not timings:
+        raise RuntimeError(f"no weight format could be measured: {skipped}")
+    prefill = min(timings, key=lambda f: timings[f]["prefill_ms_per_token"])
+    # One decode format for every batch size (switching by batch would make a sequence's
+    # numerics depend on its batch-mates): the best mean of per-token costs over the buckets.
+    decode = min(
+        timings,
+        key=lambda f: sum(timings[f][f"decode_b{b}_ms"] / b for b in DECODE_BATCHES),
+    )
+    return FormatChoice(prefill, decode, timings, False, skipped)  # type: ignore[arg-type]
+
+
+def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:
+    import hashlib
+
+    key = "|".join(
+        [str(CHOOSER_VERSION), cpu_signature(), str(threads), model_key, ",".join(eligible)]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return native_cache_dir().parent / "formats" / f"choice-{digest}.json"
+
+
+def choose(
+    checkpoint: Checkpoint, eligible: Sequence[str], model_key: str, threads: int | None = None
+) -> FormatChoice:
+    """The cached choice for this machine, threads and model, or a fresh measurement."""
+    threads = threads or torch.get_num_threads()
+    path = _cache_path(model_key, eligible, threads)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            return FormatChoice(
+                data["prefill"], data["decode"], data["timings"], True, data.get("skipped", {})
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable format choice %s: %s", path, exc)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        choice = measure(checkpoint, eligible)
+    finally:
+        torch.set_num_threads(previous)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choice.to_json(), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home still serves; it measures again next start
+        log.warning("cannot cache the format choice at %s: %s", path, exc)
+    return choice

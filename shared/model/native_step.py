@@ -1,0 +1,195 @@
+"""The whole forward pass of decode/verify rows as one native call (kernels/native).
+
+Holds the weights in the checkpoint's own blocks where the file has them (Q4_1 layers, a
+Q8_0 embedding/head) and fp32 elsewhere, packed once into the C structs the library reads.
+Every array the structs point at is kept referenced here, so nothing is freed under them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.native import abi
+from kernels.native.build import NativeBuild, load
+from shared.model.config import ModelConfig
+from shared.model.gguf_file import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class NativeStepError(RuntimeError):
+    """The native library refused a step (a bug in the caller: bad ids or positions)."""
+
+
+@dataclass(frozen=True)
+class NativeBytes:
+    weights: int  # bytes of every matrix in its native form (the memory they hold)
+    per_step_b1: int  # bytes of matrices one batch-1 step reads (head included)
+
+
+def _pack_blocks(parts: list[np.ndarray]) -> np.ndarray:
+    return np.ascontiguousarray(np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
+
+
+class NativeStep:
+    def __init__(self, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin, build):
+        self.build: NativeBuild = build
+        lib = build.library
+        assert lib is not None
+        self.lib = lib
+        cfg: ModelConfig = checkpoint.config
+        self.config = cfg
+        self._keep: list[object] = []  # arrays the C structs point into
+        t = checkpoint.tensors
+        self._weight_bytes = 0
+        layers = (abi.Layer * cfg.num_layers)()
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            layer = layers[i]
+            layer.input_norm = self._f32_ptr(t[p + "input_norm"])
+            layer.post_norm = self._f32_ptr(t[p + "post_attention_norm"])
+            layer.qkv = self._linear(checkpoint, [p + "q_proj", p + "k_proj", p + "v_proj"])
+            layer.o_proj = self._linear(checkpoint, [p + "o_proj"])
+            layer.gate_up = self._linear(checkpoint, [p + "gate_proj", p + "up_proj"])
+            layer.down = self._linear(checkpoint, [p + "down_proj"])
+        self._layers = layers
+        head_name = "lm_head" if "lm_head" in t else "embed_tokens"
+        self._head = self._linear(checkpoint, [head_name])
+        self._embed = embed.contiguous().float()
+        self._cos = rope_cos.contiguous()
+        self._sin = rope_sin.contiguous()
+        self.model = abi.Model(
+            num_layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size,
+            vocab=cfg.vocab_size,
+            max_pos=self._cos.shape[0],
+            eps=cfg.rms_norm_eps,
+            scale=cfg.head_dim**-0.5,
+            embed=self._embed.data_ptr(),
+            final_norm=self._f32_ptr(t["norm"]),
+            rope_cos=self._cos.data_ptr(),
+            rope_sin=self._sin.data_ptr(),
+            layers=layers,
+            head=self._head,
+        )
+
+    @property
+    def threads(self) -> int:
+        # Read per call: the engine sets torch's thread count after the model is built.
+        return max(1, torch.get_num_threads())
+
+    @classmethod
+    def create(
+        cls, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin
+    ) -> tuple[NativeStep | None, str]:
+        """The native step for this checkpoint, or None and why not."""
+        if embed.device.type != "cpu":
+            return None, "the native step runs on CPU only"
+        build = load()
+        if not build.available:
+            return None, build.reason
+        cfg = checkpoint.config
+        if cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
+            return None, f"head_dim {cfg.head_dim} / GQA layout not supported by the native step"
+        return cls(checkpoint, embed, rope_cos, rope_sin, build), build.reason
+
+    # ------------------------------------------------------------------ packing
+
+    def _f32_ptr(self, tensor: torch.Tensor) -> int:
+        arr = tensor.detach().float().contiguous()
+        self._keep.append(arr)
+        return arr.data_ptr()
+
+    def _linear(self, checkpoint: Checkpoint, names: list[str]) -> abi.Linear:
+        """One matrix (rows of `names` stacked) in the file's own blocks when all parts share
+        a block type, else fp32."""
+        t = checkpoint.tensors
+        out = sum(t[n].shape[0] for n in names)
+        inp = t[names[0]].shape[1]
+        for kind, blocks in (
+            (abi.Q4_1, checkpoint.q4_1_blocks),
+            (abi.Q8_0, checkpoint.q8_0_blocks),
+        ):
+            if all(n in blocks for n in names):
+                data = _pack_blocks([blocks[n] for n in names])
+                self._keep.append(data)
+                self._weight_bytes += data.nbytes
+                return abi.Linear(kind, out, inp, 0, data.ctypes.data)
+        dense = torch.cat([t[n] for n in names], dim=0).float().contiguous()
+        self._keep.append(dense)
+        self._weight_bytes += dense.numel() * 4
+        return abi.Linear(abi.F32, out, inp, 0, dense.data_ptr())
+
+    def matrix(self, layer: int, name: str) -> NativeMatrix:
+        """One of a layer's matrices (qkv, o_proj, gate_up, down) as a callable, or the head
+        (layer -1): what a dense forward pass (the quality gate's) calls in place of Linear."""
+        linear = self._head if layer < 0 else getattr(self._layers[layer], name)
+        return NativeMatrix(self, linear)
+
+    @property
+    def nbytes(self) -> NativeBytes:
+        """Memory the matrices hold, and bytes a batch-1 step reads."""
+        return NativeBytes(self._weight_bytes, self._weight_bytes)
+
+    # ------------------------------------------------------------------ running
+
+    def forward(
+        self,
+        token_ids: np.ndarray,  # int64 [rows]
+        positions: np.ndarray,  # int32 [rows]
+        block_tables: np.ndarray,  # int32 [rows, max_blocks]: each row's sequence's blocks
+        cache: torch.Tensor,  # the KV pool tensor (fp32, block-major)
+        block_size: int,
+    ) -> torch.Tensor:  # [rows, hidden] final-normed hidden states
+        rows = int(token_ids.shape[0])
+        out = torch.empty((rows, self.config.hidden_size), dtype=torch.float32)
+        kv = abi.KV(cache.data_ptr(), block_size, block_tables.shape[1], block_tables.ctypes.data)
+        code = self.lib.ss_forward(
+            ctypes.byref(self.model),
+            ctypes.byref(kv),
+            rows,
+            token_ids.ctypes.data,
+            positions.ctypes.data,
+            out.data_ptr(),
+            self.threads,
+        )
+        if code != 0:
+            raise NativeStepError(f"native step refused a batch of {rows} rows (code {code})")
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.matrix(-1, "head")(hidden)
+
+
+class NativeMatrix:
+    """y = x @ W.T through the native kernel, for any number of rows."""
+
+    def __init__(self, step: NativeStep, linear: abi.Linear):
+        self.step = step
+        self.linear = linear
+
+    @property
+    def nbytes_per_call(self) -> int:
+        n = self.linear.out_features * self.linear.in_features
+        return {abi.Q4_1: n // 32 * 20, abi.Q8_0: n // 32 * 34}.get(self.linear.kind, n * 4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        y = torch.empty((x.shape[0], self.linear.out_features), dtype=torch.float32)
+        if x.shape[0] == 0:
+            return y
+        code = self.step.lib.ss_linear_forward(
+            ctypes.byref(self.linear), x.data_ptr(), x.shape[0], y.data_ptr(), self.step.threads
+        )
+        if code != 0:
+            raise NativeStepError(f"native matrix refused {x.shape[0]} rows (code {code})")
+        return y
