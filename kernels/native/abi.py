@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 
 F32, Q4_1, Q8_0 = 0, 1, 2
-Q4_1_BYTES, Q8_0_BYTES, GROUP = 20, 34, 32
+GROUP = 32  # elements per quantized block
 
 
 class Linear(ctypes.Structure):
@@ -15,6 +15,8 @@ class Linear(ctypes.Structure):
         ("in_features", ctypes.c_int32),
         ("pad", ctypes.c_int32),
         ("data", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
     ]
 
 

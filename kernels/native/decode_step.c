@@ -27,10 +27,19 @@
 #else
 #define SS_AVX2 0
 #endif
+#if SS_AVX2 && defined(__AVX512F__)
+#define SS_AVX512 1
+#else
+#define SS_AVX512 0
+#endif
 
 #define QK 32 /* elements per quantized block */
-#define Q4_1_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles */
-#define Q8_0_BYTES 34 /* fp16 d, 32 int8 */
+/* Blocks arrive repacked (shared/model/native_step.py): quants in one array (16 bytes of
+ * nibbles per Q4_1 block, 32 int8 per Q8_0 block), scales and Q4_1 mins as fp32 arrays
+ * [out, in/32]. Converting fp16 scales inside the loop cost as many instructions as the
+ * arithmetic; separate mins make sum(m * sum(x)) one short vector dot per output. */
+#define Q4_1_QBYTES 16
+#define Q8_0_QBYTES 32
 
 enum { SS_F32 = 0, SS_Q4_1 = 1, SS_Q8_0 = 2 };
 
@@ -39,7 +48,9 @@ typedef struct {
   int32_t out_features;
   int32_t in_features;
   int32_t pad;
-  const void *data; /* f32 [out, in] or blocks [out, in/32] */
+  const void *data;    /* f32 [out, in], or quants [out, in/32, 16|32] */
+  const float *scales; /* [out, in/32] (quantized kinds) */
+  const float *mins;   /* [out, in/32] (Q4_1) */
 } ss_linear;
 
 typedef struct {
@@ -71,35 +82,6 @@ typedef struct {
 
 /* ---------------------------------------------------------------- helpers */
 
-static inline float half_to_float(uint16_t h) {
-#if SS_AVX2
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else { /* subnormal: normalise */
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400)) {
-        man <<= 1;
-        exp--;
-      }
-      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000 | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-static inline uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
 #if SS_AVX2
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -112,7 +94,11 @@ static inline float hsum8(__m256 v) {
 static inline float dot_f32(const float *a, const float *b, int n) {
   int i = 0;
   float total = 0.f;
-#if SS_AVX2
+#if SS_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  total = _mm512_reduce_add_ps(acc);
+#elif SS_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   total = hsum8(acc);
@@ -123,6 +109,11 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 
 static inline void axpy(float *y, const float *x, float a, int n) {
   int i = 0;
+#if SS_AVX512
+  __m512 wa = _mm512_set1_ps(a);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wa, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
 #if SS_AVX2
   __m256 va = _mm256_set1_ps(a);
   for (; i + 8 <= n; i += 8)
@@ -131,12 +122,47 @@ static inline void axpy(float *y, const float *x, float a, int n) {
   for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* s[i] = exp(s[i] - shift) for i < n; returns their sum. Vectorized with a degree-6
+ * polynomial after range reduction (~2 ulp): the softmax's exps were a third of attention. */
+static float exp_shifted(float *s, int n, float shift) {
+  int i = 0;
+  float total = 0.f;
+#if SS_AVX512
+  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693359375f),
+               ln2_lo = _mm512_set1_ps(-2.12194440e-4f), lowest = _mm512_set1_ps(-87.0f),
+               vshift = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), vshift), lowest);
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < n; i++) {
+    s[i] = expf(s[i] - shift);
+    total += s[i];
+  }
+  return total;
+}
+
 /* ---------------------------------------------------------------- thread pool
  * Workers spin briefly for the next job (a decode step's ~250 phases follow each other within
  * microseconds), then sleep on a condition variable so an idle server costs no CPU. */
 
 #define SS_MAX_THREADS 64
-#define SS_SPIN 20000
+#define SS_SPIN 2000
 
 typedef void (*ss_job)(void *ctx, int tid, int nth);
 
@@ -254,30 +280,46 @@ static void linear_f32(const ss_linear *w, const float *x, int rows, float *y, i
     for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = dot_f32(W + (size_t)o * in, x + (size_t)r * in, in);
 }
 
-/* Q4_1: w = d * q + m, so sum(w * x) = d * sum(q * x) + m * sum(x); xsum holds each row's
- * per-block sum(x), computed once per call. */
+/* Q4_1: w = d * q + m, so sum(w * x) = sum_b d_b * sum(q * x) + sum_b m_b * xsum_b, where
+ * xsum holds each row's per-block sum(x), computed once per call. */
 static void linear_q4_1(const ss_linear *w, const float *x, const float *xsum, int rows, float *y,
                         int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
-  const uint8_t *base = (const uint8_t *)w->data;
+  const uint8_t *quants = (const uint8_t *)w->data;
   for (int r0 = 0; r0 < rows; r0 += 4) {
     int nr = rows - r0 < 4 ? rows - r0 : 4;
     for (int o = o0; o < o1; o++) {
-      const uint8_t *blk = base + (size_t)o * nb * Q4_1_BYTES;
-#if SS_AVX2
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      float macc[4] = {0.f, 0.f, 0.f, 0.f};
+      const uint8_t *qs = quants + (size_t)o * nb * Q4_1_QBYTES;
+      const float *ds = w->scales + (size_t)o * nb, *ms = w->mins + (size_t)o * nb;
+#if SS_AVX512
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       const __m128i low = _mm_set1_epi8(0x0f);
-      for (int b = 0; b < nb; b++, blk += Q4_1_BYTES) {
-        float d = half_to_float(read_u16(blk)), m = half_to_float(read_u16(blk + 2));
-        __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+      for (int b = 0; b < nb; b++, qs += Q4_1_QBYTES) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+        __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low)));
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)));
+        __m512 vd = _mm512_set1_ps(ds[b]);
+        for (int r = 0; r < nr; r++) {
+          const float *xr = x + (size_t)(r0 + r) * in + b * QK;
+          __m512 t = _mm512_mul_ps(q0, _mm512_loadu_ps(xr));
+          t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), t);
+          acc[r] = _mm512_fmadd_ps(vd, t, acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; r++)
+        y[(size_t)(r0 + r) * out + o] = _mm512_reduce_add_ps(acc[r]) + dot_f32(ms, xsum + (size_t)(r0 + r) * nb, nb);
+#elif SS_AVX2
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      const __m128i low = _mm_set1_epi8(0x0f);
+      for (int b = 0; b < nb; b++, qs += Q4_1_QBYTES) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)qs);
         __m128i lo = _mm_and_si128(raw, low);
         __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
         __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
         __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
         __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
         __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        __m256 vd = _mm256_set1_ps(d);
+        __m256 vd = _mm256_set1_ps(ds[b]);
         for (int r = 0; r < nr; r++) {
           const float *xr = x + (size_t)(r0 + r) * in + b * QK;
           __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
@@ -285,23 +327,22 @@ static void linear_q4_1(const ss_linear *w, const float *x, const float *xsum, i
           t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), t);
           t = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), t);
           acc[r] = _mm256_fmadd_ps(vd, t, acc[r]);
-          macc[r] += m * xsum[(size_t)(r0 + r) * nb + b];
         }
       }
-      for (int r = 0; r < nr; r++) y[(size_t)(r0 + r) * out + o] = hsum8(acc[r]) + macc[r];
+      for (int r = 0; r < nr; r++)
+        y[(size_t)(r0 + r) * out + o] = hsum8(acc[r]) + dot_f32(ms, xsum + (size_t)(r0 + r) * nb, nb);
 #else
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int b = 0; b < nb; b++, blk += Q4_1_BYTES) {
-        float d = half_to_float(read_u16(blk)), m = half_to_float(read_u16(blk + 2));
-        const uint8_t *qs = blk + 4;
+      for (int b = 0; b < nb; b++, qs += Q4_1_QBYTES) {
         for (int r = 0; r < nr; r++) {
           const float *xr = x + (size_t)(r0 + r) * in + b * QK;
           float t = 0.f;
           for (int j = 0; j < 16; j++) t += (float)(qs[j] & 0x0f) * xr[j] + (float)(qs[j] >> 4) * xr[j + 16];
-          acc[r] += d * t + m * xsum[(size_t)(r0 + r) * nb + b];
+          acc[r] += ds[b] * t;
         }
       }
-      for (int r = 0; r < nr; r++) y[(size_t)(r0 + r) * out + o] = acc[r];
+      for (int r = 0; r < nr; r++)
+        y[(size_t)(r0 + r) * out + o] = acc[r] + dot_f32(ms, xsum + (size_t)(r0 + r) * nb, nb);
 #endif
     }
   }
@@ -309,17 +350,32 @@ static void linear_q4_1(const ss_linear *w, const float *x, const float *xsum, i
 
 static void linear_q8_0(const ss_linear *w, const float *x, int rows, float *y, int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
-  const uint8_t *base = (const uint8_t *)w->data;
+  const int8_t *quants = (const int8_t *)w->data;
   for (int r0 = 0; r0 < rows; r0 += 4) {
     int nr = rows - r0 < 4 ? rows - r0 : 4;
     for (int o = o0; o < o1; o++) {
-      const uint8_t *blk = base + (size_t)o * nb * Q8_0_BYTES;
-#if SS_AVX2
+      const int8_t *qs = quants + (size_t)o * nb * Q8_0_QBYTES;
+      const float *ds = w->scales + (size_t)o * nb;
+#if SS_AVX512
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int b = 0; b < nb; b++, qs += Q8_0_QBYTES) {
+        __m512 vd = _mm512_set1_ps(ds[b]);
+        __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+        for (int r = 0; r < nr; r++) {
+          const float *xr = x + (size_t)(r0 + r) * in + b * QK;
+          __m512 t = _mm512_mul_ps(q0, _mm512_loadu_ps(xr));
+          t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), t);
+          acc[r] = _mm512_fmadd_ps(vd, t, acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; r++) y[(size_t)(r0 + r) * out + o] = _mm512_reduce_add_ps(acc[r]);
+#elif SS_AVX2
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int b = 0; b < nb; b++, blk += Q8_0_BYTES) {
-        __m256 vd = _mm256_set1_ps(half_to_float(read_u16(blk)));
-        __m128i a = _mm_loadu_si128((const __m128i *)(blk + 2));
-        __m128i c = _mm_loadu_si128((const __m128i *)(blk + 18));
+      for (int b = 0; b < nb; b++, qs += Q8_0_QBYTES) {
+        __m256 vd = _mm256_set1_ps(ds[b]);
+        __m128i a = _mm_loadu_si128((const __m128i *)qs);
+        __m128i c = _mm_loadu_si128((const __m128i *)(qs + 16));
         __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
         __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
         __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
@@ -336,14 +392,12 @@ static void linear_q8_0(const ss_linear *w, const float *x, int rows, float *y, 
       for (int r = 0; r < nr; r++) y[(size_t)(r0 + r) * out + o] = hsum8(acc[r]);
 #else
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int b = 0; b < nb; b++, blk += Q8_0_BYTES) {
-        float d = half_to_float(read_u16(blk));
-        const int8_t *qs = (const int8_t *)(blk + 2);
+      for (int b = 0; b < nb; b++, qs += Q8_0_QBYTES) {
         for (int r = 0; r < nr; r++) {
           const float *xr = x + (size_t)(r0 + r) * in + b * QK;
           float t = 0.f;
           for (int j = 0; j < QK; j++) t += (float)qs[j] * xr[j];
-          acc[r] += d * t;
+          acc[r] += ds[b] * t;
         }
       }
       for (int r = 0; r < nr; r++) y[(size_t)(r0 + r) * out + o] = acc[r];
@@ -386,8 +440,9 @@ typedef struct {
   const int32_t *positions;
   float *out; /* [rows, hidden] final-normed hidden states */
   /* scratch */
-  float *x, *h, *qkv, *attn, *gu, *act, *tmp, *xsum, *scores;
+  float *x, *h, *qkv, *attn, *gu, *act, *tmp, *xsum, *scores, *parts;
   int scores_stride;
+  int *item_offsets; /* [rows + 1]: first attention work item of each row */
   ss_barrier barrier;
   int error;
 } step_ctx;
@@ -423,33 +478,106 @@ static inline float *kv_slot(const step_ctx *c, int layer, int which, int row, i
   return kv->cache + offset;
 }
 
+/* Attention is split over the context (split-KV): each work item is one row's GQA group of
+ * query heads over one range of positions, so K and V are read once per group and two
+ * threads share even a single row's work. A row's split count depends only on its context
+ * length and the thread count, never on its batch-mates. */
+static inline int attn_splits(int ctx, int nth) {
+  int splits = ctx / 64;
+  if (splits > nth) splits = nth;
+  return splits < 1 ? 1 : splits;
+}
+
+static inline int item_row(const step_ctx *c, int item) {
+  int r = 0;
+  while (item >= c->item_offsets[r + 1]) r++;
+  return r;
+}
+
 static void attention_part(step_ctx *c, int layer, int tid, int nth) {
   const ss_model *m = c->m;
   int hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim, group = hq / hkv;
-  int qkv_width = (hq + 2 * hkv) * d;
-  int items = c->rows * hq, i0, i1;
-  split(items, tid, nth, &i0, &i1);
+  int qkv_width = (hq + 2 * hkv) * d, part_stride = group * (d + 2);
   float *scores = c->scores + (size_t)tid * c->scores_stride;
+  for (int item = tid; item < c->item_offsets[c->rows]; item += nth) {
+    int r = item_row(c, item), ctx = c->positions[r] + 1, splits = attn_splits(ctx, nth);
+    int local = item - c->item_offsets[r], g = local / splits, sp = local % splits;
+    int t0 = (int)((int64_t)sp * ctx / splits), t1 = (int)((int64_t)(sp + 1) * ctx / splits);
+    int n = t1 - t0;
+    const float *q = c->qkv + (size_t)r * qkv_width + (size_t)g * group * d;
+    const int bs = c->kv->block_size, slot_stride = hkv * d;
+    /* Positions are walked block by block: one table lookup per block, not per position. */
+    for (int t = t0; t < t1;) {
+      int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+      const float *k = kv_slot(c, layer, 0, r, t, g);
+      for (; t < stop; t++, k += slot_stride)
+        for (int j = 0; j < group; j++) scores[j * n + (t - t0)] = dot_f32(q + j * d, k, d) * m->scale;
+    }
+    float *part = c->parts + (size_t)item * part_stride;
+    for (int j = 0; j < group; j++) {
+      float *sj = scores + j * n, best = -INFINITY;
+      for (int t = 0; t < n; t++) best = sj[t] > best ? sj[t] : best;
+      float *pj = part + j * (d + 2);
+      pj[0] = best;
+      pj[1] = exp_shifted(sj, n, best);
+      memset(pj + 2, 0, sizeof(float) * (size_t)d);
+    }
+#if SS_AVX512
+    if (d == 64 && group <= 4) { /* the group's outputs stay in registers over the range */
+      __m512 acc[4][4];
+      for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+      for (int t = t0; t < t1;) {
+        int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+        const float *v = kv_slot(c, layer, 1, r, t, g);
+        for (; t < stop; t++, v += slot_stride) {
+          __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+          for (int j = 0; j < group; j++) {
+            __m512 p = _mm512_set1_ps(scores[j * n + (t - t0)]);
+            acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+            acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+            acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+          }
+        }
+      }
+      for (int j = 0; j < group; j++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(part + j * (d + 2) + 2 + i * 16, acc[j][i]);
+      continue;
+    }
+#endif
+    for (int t = t0; t < t1;) {
+      int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+      const float *v = kv_slot(c, layer, 1, r, t, g);
+      for (; t < stop; t++, v += slot_stride)
+        for (int j = 0; j < group; j++) axpy(part + j * (d + 2) + 2, v, scores[j * n + (t - t0)], d);
+    }
+  }
+}
+
+/* Softmax-weighted merge of each head's split partials, in split order. */
+static void attention_merge(step_ctx *c, int tid, int nth) {
+  const ss_model *m = c->m;
+  int hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim, group = hq / hkv;
+  int part_stride = group * (d + 2), i0, i1;
+  split(c->rows * hq, tid, nth, &i0, &i1);
   for (int item = i0; item < i1; item++) {
-    int r = item / hq, head = item % hq, kvh = head / group;
-    int ctx = c->positions[r] + 1;
-    const float *q = c->qkv + (size_t)r * qkv_width + head * d;
-    float best = -INFINITY;
-    for (int t = 0; t < ctx; t++) {
-      float s = dot_f32(q, kv_slot(c, layer, 0, r, t, kvh), d) * m->scale;
-      scores[t] = s;
-      if (s > best) best = s;
+    int r = item / hq, h = item % hq, g = h / group, j = h % group;
+    int splits = attn_splits(c->positions[r] + 1, nth);
+    const float *first = c->parts + (size_t)(c->item_offsets[r] + g * splits) * part_stride + j * (d + 2);
+    float best = -INFINITY, total = 0.f;
+    for (int sp = 0; sp < splits; sp++) best = first[sp * part_stride] > best ? first[sp * part_stride] : best;
+    float *out = c->attn + (size_t)r * hq * d + (size_t)h * d;
+    memset(out, 0, sizeof(float) * (size_t)d);
+    for (int sp = 0; sp < splits; sp++) {
+      const float *p = first + sp * part_stride;
+      float w = expf(p[0] - best);
+      total += w * p[1];
+      axpy(out, p + 2, w, d);
     }
-    float total = 0.f;
-    for (int t = 0; t < ctx; t++) {
-      scores[t] = expf(scores[t] - best);
-      total += scores[t];
-    }
-    float *o = c->attn + (size_t)r * hq * d + head * d;
-    memset(o, 0, sizeof(float) * (size_t)d);
-    for (int t = 0; t < ctx; t++) axpy(o, kv_slot(c, layer, 1, r, t, kvh), scores[t], d);
     float inv = 1.0f / total;
-    for (int j = 0; j < d; j++) o[j] *= inv;
+    for (int i = 0; i < d; i++) out[i] *= inv;
   }
 }
 
@@ -485,6 +613,8 @@ static void step_job(void *arg, int tid, int nth) {
     barrier_wait(&c->barrier, nth, &sense);
     attention_part(c, l, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
+    attention_merge(c, tid, nth);
+    barrier_wait(&c->barrier, nth, &sense);
     if (tid == 0) block_sums(c->attn, rows, hq * d, c->xsum);
     barrier_wait(&c->barrier, nth, &sense);
     linear_part(&L->o_proj, c->attn, c->xsum, rows, c->tmp, tid, nth);
@@ -516,7 +646,8 @@ static void step_job(void *arg, int tid, int nth) {
 
 static int check_linear(const ss_linear *w) {
   if (w->kind == SS_F32) return 0;
-  if ((w->kind == SS_Q4_1 || w->kind == SS_Q8_0) && w->in_features % QK == 0) return 0;
+  if (w->kind == SS_Q8_0 && w->in_features % QK == 0 && w->scales) return 0;
+  if (w->kind == SS_Q4_1 && w->in_features % QK == 0 && w->scales && w->mins) return 0;
   return -1;
 }
 
@@ -550,23 +681,33 @@ int ss_forward(const ss_model *m, const ss_kv *kv, int rows, const int64_t *toke
       (size_t)rows * m->intermediate,      /* act */
       (size_t)rows * hidden,               /* tmp */
       (size_t)rows * (widest / QK + 1),    /* xsum */
-      (size_t)nth * max_ctx,               /* scores */
+      (size_t)nth * max_ctx * (hq / hkv),  /* scores */
+      (size_t)rows * hkv * nth * (hq / hkv) * (d + 2), /* parts */
   };
   size_t total = 0;
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += sizes[i];
   float *scratch = (float *)malloc(total * sizeof(float));
   if (!scratch) return -2;
   step_ctx c = {.m = m, .kv = kv, .rows = rows, .tokens = tokens, .positions = positions, .out = out};
-  float **slots[] = {&c.x, &c.h, &c.qkv, &c.attn, &c.gu, &c.act, &c.tmp, &c.xsum, &c.scores};
+  float **slots[] = {&c.x, &c.h, &c.qkv, &c.attn, &c.gu, &c.act, &c.tmp, &c.xsum, &c.scores, &c.parts};
   float *p = scratch;
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
     *slots[i] = p;
     p += sizes[i];
   }
-  c.scores_stride = max_ctx;
+  c.scores_stride = max_ctx * (hq / hkv);
+  int *offsets = (int *)malloc(sizeof(int) * (size_t)(rows + 1));
+  if (!offsets) {
+    free(scratch);
+    return -2;
+  }
+  offsets[0] = 0;
+  for (int r = 0; r < rows; r++) offsets[r + 1] = offsets[r] + hkv * attn_splits(positions[r] + 1, nth);
+  c.item_offsets = offsets;
   atomic_store(&c.barrier.count, 0);
   atomic_store(&c.barrier.sense, 0);
   pool_run(step_job, &c, nth);
+  free(offsets);
   free(scratch);
   return 0;
 }

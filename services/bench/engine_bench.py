@@ -3,7 +3,9 @@ read bandwidth and against llama.cpp on the same GGUF and thread count (when ins
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import time
 
 import torch
@@ -11,9 +13,9 @@ import torch
 from services.bench.hardware import measure_read_bandwidth_gb_s
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.model.gguf_file import Checkpoint
+from shared.engine.model_setup import load_serving_model
 from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
+from shared.model.loader import default_model_path
 from shared.sampling.params import SamplingParams
 
 CONTEXT = 512
@@ -111,13 +113,39 @@ def llamacpp_peer(model_path: str, threads: int) -> dict | None:
     return {"decode_tok_s_b1": decode, "prefill_tok_s_1k": prefill}
 
 
-def run(weights: str, model_path: str | None, threads: int, quick: bool = False) -> dict:
+def llama_bench_peer(binary: str, model_path: str, threads: int) -> dict:
+    """llama.cpp's own benchmark on the same GGUF and threads: pp1024 and tg128 at t/s."""
+    cmd = [binary, "-m", model_path, "-t", str(threads), "-p", "1024", "-n", "128", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-300:]}")
+    rows = json.loads(done.stdout)
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    return {"decode_tok_s_b1": decode, "prefill_tok_s_1k": prefill, "source": binary}
+
+
+def run(
+    weights: str,
+    model_path: str | None,
+    threads: int,
+    quick: bool = False,
+    llama_bench: str | None = None,
+) -> dict:
     torch.set_num_threads(threads)
-    checkpoint: Checkpoint = read_checkpoint(model_path)
-    model = LlamaModel(checkpoint, weights=weights)
+    model, choice = load_serving_model(model_path, weights, threads=threads)
+    checkpoint_source = model_path or default_model_path()
     mem = measure_read_bandwidth_gb_s()
     steps = {1: 48, 8: 24, 32: 12} if not quick else {1: 6, 8: 3, 32: 2}
-    result: dict = {"weights": weights, "threads": threads, "context": CONTEXT}
+    result: dict = {
+        "weights": weights,
+        "prefill_format": model.weights,
+        "decode_format": model.decode_weights,
+        "threads": threads,
+        "context": CONTEXT,
+    }
+    if choice is not None:
+        result["format_choice"] = choice.to_json() | {"cached": choice.cached}
     for batch, n in steps.items():
         result[f"decode_tok_s_b{batch}"] = decode_rate(model, batch, n)
     result["prefill_tok_s_1k"] = prefill_rate(model, repeats=1 if quick else 2)
@@ -129,15 +157,19 @@ def run(weights: str, model_path: str | None, threads: int, quick: bool = False)
     step_bytes = model.weight_bytes_per_token_step + kv_bytes_read_per_step(model, CONTEXT)
     result["decode_bytes_per_step_b1"] = step_bytes
     result["decode_bw_efficiency"] = step_bytes * result["decode_tok_s_b1"] / (mem * 1e9)
-    peer = (
-        llamacpp_peer(checkpoint.source, threads) if checkpoint.source.endswith(".gguf") else None
-    )
+    gguf = checkpoint_source.endswith(".gguf")
+    if llama_bench and gguf:
+        peer = llama_bench_peer(llama_bench, checkpoint_source, threads)
+    else:
+        peer = llamacpp_peer(checkpoint_source, threads) if gguf else None
     if peer is not None:
         result["peer_llamacpp_decode_tok_s_b1"] = peer["decode_tok_s_b1"]
         result["peer_llamacpp_prefill_tok_s_1k"] = peer["prefill_tok_s_1k"]
         result["decode_b1_vs_llamacpp"] = result["decode_tok_s_b1"] / peer["decode_tok_s_b1"]
         result["prefill_vs_llamacpp"] = result["prefill_tok_s_1k"] / peer["prefill_tok_s_1k"]
+        result["decode_b8_vs_llamacpp_b1"] = result["decode_tok_s_b8"] / peer["decode_tok_s_b1"]
         result["decode_b32_vs_llamacpp_b1"] = result["decode_tok_s_b32"] / peer["decode_tok_s_b1"]
+        result["peer_source"] = peer.get("source", "llama-cpp-python")
     else:
         result["peer_llamacpp"] = "not installed (pip install '.[peer]')"
     return result
@@ -148,7 +180,7 @@ def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
     peer_p = r.get("peer_llamacpp_prefill_tok_s_1k")
     return [
         ("decode tok/s b1", r["decode_tok_s_b1"], peer_d, r.get("decode_b1_vs_llamacpp")),
-        ("decode tok/s b8", r["decode_tok_s_b8"], peer_d, None),
+        ("decode tok/s b8", r["decode_tok_s_b8"], peer_d, r.get("decode_b8_vs_llamacpp_b1")),
         ("decode tok/s b32", r["decode_tok_s_b32"], peer_d, r.get("decode_b32_vs_llamacpp_b1")),
         ("prefill tok/s (1k prompt)", r["prefill_tok_s_1k"], peer_p, r.get("prefill_vs_llamacpp")),
         (

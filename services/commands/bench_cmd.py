@@ -15,6 +15,11 @@ def add_command(sub) -> None:
     add_model_args(eng, default_weights="auto")
     eng.add_argument("--json", default=None, help="write the results here")
     eng.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    eng.add_argument(
+        "--llama-bench",
+        default=None,
+        help="a llama.cpp llama-bench binary: the peer's figures (else llama-cpp-python)",
+    )
     eng.set_defaults(handler=run_engine)
 
     dis = kinds.add_parser("disagg", help="colocated vs disaggregated replicas under chat load")
@@ -58,7 +63,9 @@ def run_engine(args: argparse.Namespace) -> int:
     from services.bench.report import machine_info, print_table, save_outputs
 
     threads = args.threads or 2
-    result = engine_bench.run(args.weights, args.model, threads, quick=args.quick)
+    result = engine_bench.run(
+        args.weights, args.model, threads, quick=args.quick, llama_bench=args.llama_bench
+    )
     result["machine"] = machine_info()
     print_table(
         f"splitserve bench engine (weights={args.weights}, threads={threads})",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
@@ -118,24 +117,6 @@ class ModelRunner:
         ids: list[int] = []
         for item in items:
             ids.extend(self._new_token_ids(item))
-        native = self.model.native if self.model.torch_path(decode) is None else None
-        if native is not None:
-            positions: list[int] = []
-            tables: list[list[int]] = []
-            width = max(len(item.seq.table.block_ids) for item in items)
-            for item in items:
-                start = item.seq.num_computed_tokens
-                positions.extend(range(start, start + item.num_tokens))
-                table = item.seq.table.block_ids
-                padded = table + [0] * (width - len(table))
-                tables.extend([padded] * item.num_tokens)
-            return native.forward(
-                np.asarray(ids, dtype=np.int64),
-                np.asarray(positions, dtype=np.int32),
-                np.asarray(tables, dtype=np.int32).reshape(len(positions), width),
-                self.pool.tensor,
-                self.block_size,
-            )
         meta = AttentionMetadata(
             query_lens=[s.num_tokens for s in items],
             context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in items],
@@ -143,12 +124,8 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        return self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            meta,
-            self.pool,
-            self.model.torch_path(decode),
-        )
+        ids_tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.model.forward_path(ids_tensor, meta, self.pool, decode)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int], decode: list[bool]) -> torch.Tensor:
         """Logits of `rows`, each with the head of the path its row ran on."""

@@ -153,14 +153,21 @@ def measure(checkpoint: Checkpoint, eligible: Sequence[str]) -> FormatChoice:
             skipped[fmt] = str(exc)
     if not timings:
         raise RuntimeError(f"no weight format could be measured: {skipped}")
-    prefill = min(timings, key=lambda f: timings[f]["prefill_ms_per_token"])
+    prefill, decode = pick(timings)
+    return FormatChoice(prefill, decode, timings, False, skipped)
+
+
+def pick(timings: dict[str, dict[str, float]]) -> tuple[ModelFormat, ModelFormat]:
+    """The fastest format per path; ties go to the earlier name, so the choice is a function
+    of the timings alone."""
+    names = sorted(timings)
+    prefill = min(names, key=lambda f: timings[f]["prefill_ms_per_token"])
     # One decode format for every batch size (switching by batch would make a sequence's
     # numerics depend on its batch-mates): the best mean of per-token costs over the buckets.
     decode = min(
-        timings,
-        key=lambda f: sum(timings[f][f"decode_b{b}_ms"] / b for b in DECODE_BATCHES),
+        names, key=lambda f: sum(timings[f][f"decode_b{b}_ms"] / b for b in DECODE_BATCHES)
     )
-    return FormatChoice(prefill, decode, timings, False, skipped)  # type: ignore[arg-type]
+    return prefill, decode  # type: ignore[return-value]
 
 
 def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -244,6 +245,30 @@ class LlamaModel:
             inter = cfg.intermediate_size
             x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def forward_path(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool, decode: bool
+    ) -> torch.Tensor:
+        """forward() on the prompt path or the decode path, natively where that path is."""
+        fmt = self.torch_path(decode)
+        if fmt is not None:
+            return self.forward(input_ids, meta, kv, fmt)
+        assert self.native is not None
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        width = max(len(t) for t in meta.block_tables)
+        for q_len, ctx, table in zip(
+            meta.query_lens, meta.context_lens, meta.block_tables, strict=True
+        ):
+            positions.extend(range(ctx - q_len, ctx))
+            tables.extend([table + [0] * (width - len(table))] * q_len)
+        return self.native.forward(
+            input_ids.numpy().astype(np.int64, copy=False),
+            np.asarray(positions, dtype=np.int32),
+            np.asarray(tables, dtype=np.int32).reshape(len(positions), width),
+            kv.tensor,
+            meta.block_size,
+        )
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:

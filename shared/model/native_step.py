@@ -32,8 +32,24 @@ class NativeBytes:
     per_step_b1: int  # bytes of matrices one batch-1 step reads (head included)
 
 
-def _pack_blocks(parts: list[np.ndarray]) -> np.ndarray:
-    return np.ascontiguousarray(np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
+def _stack(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """One fp16 field of every block, as fp32 [out, blocks]."""
+    raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
+    return np.ascontiguousarray(raw.view(np.float16)[..., 0].astype(np.float32))
+
+
+def repack(kind: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks [out, in/32, 20|34] -> (quants, fp32 scales, fp32 mins or None), the layout
+    the kernel reads (see decode_step.c): the same values, nothing re-quantized."""
+    if kind == abi.Q4_1:
+        quants = np.ascontiguousarray(blocks[..., 4:20])
+        return quants, _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+    quants = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)
+    return quants, _fp16_field(blocks, 0), None
 
 
 class NativeStep:
@@ -120,14 +136,23 @@ class NativeStep:
             (abi.Q8_0, checkpoint.q8_0_blocks),
         ):
             if all(n in blocks for n in names):
-                data = _pack_blocks([blocks[n] for n in names])
-                self._keep.append(data)
-                self._weight_bytes += data.nbytes
-                return abi.Linear(kind, out, inp, 0, data.ctypes.data)
+                quants, scales, mins = repack(kind, _stack([blocks[n] for n in names]))
+                arrays = [a for a in (quants, scales, mins) if a is not None]
+                self._keep.extend(arrays)
+                self._weight_bytes += sum(a.nbytes for a in arrays)
+                return abi.Linear(
+                    kind,
+                    out,
+                    inp,
+                    0,
+                    quants.ctypes.data,
+                    scales.ctypes.data,
+                    mins.ctypes.data if mins is not None else None,
+                )
         dense = torch.cat([t[n] for n in names], dim=0).float().contiguous()
         self._keep.append(dense)
         self._weight_bytes += dense.numel() * 4
-        return abi.Linear(abi.F32, out, inp, 0, dense.data_ptr())
+        return abi.Linear(abi.F32, out, inp, 0, dense.data_ptr(), None, None)
 
     def matrix(self, layer: int, name: str) -> NativeMatrix:
         """One of a layer's matrices (qkv, o_proj, gate_up, down) as a callable, or the head
@@ -180,7 +205,8 @@ class NativeMatrix:
     @property
     def nbytes_per_call(self) -> int:
         n = self.linear.out_features * self.linear.in_features
-        return {abi.Q4_1: n // 32 * 20, abi.Q8_0: n // 32 * 34}.get(self.linear.kind, n * 4)
+        blocks = n // abi.GROUP
+        return {abi.Q4_1: blocks * 24, abi.Q8_0: blocks * 36}.get(self.linear.kind, n * 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()

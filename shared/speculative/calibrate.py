@@ -44,7 +44,8 @@ def measure_step_costs(
                     device=model.device,
                 )
                 start = time.perf_counter()
-                model.logits(model.forward(ids, meta, pool))
+                # Verify steps run on the decode path: time that path, native or torch.
+                model.logits(model.forward_path(ids, meta, pool, decode=True), decode=True)
                 best = min(best, time.perf_counter() - start)
             costs[n] = best
     finally:

@@ -1,0 +1,303 @@
+"""The native decode step (kernels/native) against the torch path it replaces.
+
+Numerics: the native step computes with exactly the weights the fp32 build holds (the file's
+blocks, dequantized the same way), so its logits must agree with torch's fp32 to float
+rounding. Equivalence: greedy output through every engine path with the native decode path
+equals the plain single-sequence run of the same model configuration.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.native import abi
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.kvcache.pool import KVPool
+from shared.model.llama import LlamaModel
+from shared.model.native_step import NativeMatrix, NativeStep, repack
+from shared.model.tiny import tiny_checkpoint
+from shared.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(count: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 70))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def split_model():
+    """Prompt rows in torch fp32, decode rows natively (what `auto` picks on most CPUs)."""
+    return LlamaModel(tiny_checkpoint(seed=0), weights="fp32", decode_weights="native")
+
+
+@pytest.fixture(scope="module")
+def native_model():
+    return LlamaModel(tiny_checkpoint(seed=0), weights="native")
+
+
+def _engine(model, **overrides) -> Engine:
+    cfg = dict(num_blocks=128, block_size=16, max_num_batched_tokens=512)
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg), model=model)
+
+
+def _alone(model, prompts, **overrides) -> list[list[int]]:
+    return [_engine(model, **overrides).generate([p], GREEDY)[0] for p in prompts]
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _q4_1_blocks(out: int, inp: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((out, inp // 32, 20), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, (out, inp // 32)).astype(np.float16)
+    m = rng.uniform(-0.4, 0.0, (out, inp // 32)).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(out, inp // 32, 2)
+    blocks[..., 2:4] = m.view(np.uint8).reshape(out, inp // 32, 2)
+    blocks[..., 4:] = rng.integers(0, 256, (out, inp // 32, 16), dtype=np.uint8)
+    return blocks
+
+
+def _q4_1_dense(blocks: np.ndarray) -> torch.Tensor:
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+    return torch.from_numpy((q * d + m).reshape(blocks.shape[0], -1))
+
+
+def _q8_0_blocks(out: int, inp: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((out, inp // 32, 34), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, (out, inp // 32)).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(out, inp // 32, 2)
+    blocks[..., 2:] = rng.integers(-127, 128, (out, inp // 32, 32), dtype=np.int8).view(np.uint8)
+    return blocks
+
+
+def _q8_0_dense(blocks: np.ndarray) -> torch.Tensor:
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+    return torch.from_numpy((q * d).reshape(blocks.shape[0], -1))
+
+
+class _Holder:
+    """The least a NativeMatrix needs of its step: the library and a thread count."""
+
+    def __init__(self, lib, threads: int):
+        self.lib = lib
+        self.threads = threads
+
+
+@pytest.fixture(scope="module")
+def native_lib():
+    from kernels.native.build import load
+
+    build = load()
+    assert build.available, f"the native library did not build here: {build.reason}"
+    return build.library
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_quantized_matrix_equals_its_dequantized_fp32_product(native_lib, kind, rows, threads):
+    out, inp = 37, 96  # odd output count: thread splits end mid-way
+    make, dense_of, code = {
+        "q4_1": (_q4_1_blocks, _q4_1_dense, abi.Q4_1),
+        "q8_0": (_q8_0_blocks, _q8_0_dense, abi.Q8_0),
+    }[kind]
+    blocks = make(out, inp, seed=rows)
+    quants, scales, mins = repack(code, blocks)
+    linear = abi.Linear(
+        code,
+        out,
+        inp,
+        0,
+        quants.ctypes.data,
+        scales.ctypes.data,
+        mins.ctypes.data if mins is not None else None,
+    )
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+    got = NativeMatrix(_Holder(native_lib, threads), linear)(x)  # type: ignore[arg-type]
+    want = x.double() @ dense_of(blocks).double().T
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_matrix_with_ragged_blocks_is_refused(native_lib):
+    quants = np.zeros((4, 1, 16), dtype=np.uint8)
+    scales = np.zeros((4, 1), dtype=np.float32)
+    bad = abi.Linear(abi.Q4_1, 4, 40, 0, quants.ctypes.data, scales.ctypes.data, None)
+    x = torch.zeros(1, 40)
+    y = torch.empty(1, 4)
+    assert native_lib.ss_linear_forward(bad, x.data_ptr(), 1, y.data_ptr(), 1) == -1
+
+
+# ---------------------------------------------------------------- the whole step
+
+
+def _prefilled(model: LlamaModel, prompt: list[int], blocks: int = 16) -> tuple[KVPool, list]:
+    pool = KVPool(model.kv_layout(16), blocks)
+    table = list(range(blocks))
+    n = len(prompt)
+    model.forward(torch.tensor(prompt), AttentionMetadata([n], [n], [table], 16), pool)
+    return pool, table
+
+
+def test_native_step_equals_torch_eager_step_on_the_tiny_model(split_model):
+    """The compiled step and the eager step give equal logits (<= 1e-4, fp32)."""
+    prompt = _prompts(1, seed=5)[0]
+    pool, table = _prefilled(split_model, prompt)
+    twin = KVPool(pool.layout, pool.num_blocks)
+    twin.tensor.copy_(pool.tensor)
+    n = len(prompt)
+    tokens = [17, 99, 3]  # a verify-shaped step: three new tokens of one sequence
+    meta = AttentionMetadata([3], [n + 3], [table], 16)
+    eager = split_model.logits(split_model.forward(torch.tensor(tokens), meta, pool, "fp32"))
+    native = split_model.native
+    assert native is not None
+    hidden = native.forward(
+        np.asarray(tokens, dtype=np.int64),
+        np.arange(n, n + 3, dtype=np.int32),
+        np.asarray([table] * 3, dtype=np.int32),
+        twin.tensor,
+        16,
+    )
+    compiled = split_model.logits(hidden, decode=True)
+    assert (compiled - eager).abs().max().item() <= 1e-4
+    # The new K/V landed in the same slots with the same values.
+    assert (twin.tensor - pool.tensor).abs().max().item() <= 1e-4
+
+
+def test_a_row_is_computed_the_same_whatever_shares_its_step(split_model):
+    native = split_model.native
+    assert native is not None
+    prompts = _prompts(3, seed=9)
+    pools = []
+    for prompt in prompts:
+        pool, _ = _prefilled(split_model, prompt)
+        pools.append(pool)
+    # One pool holding all three sequences' blocks side by side.
+    joint = KVPool(pools[0].layout, 48)
+    for i, pool in enumerate(pools):
+        joint.tensor[i * 16 : (i + 1) * 16] = pool.tensor
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(3)]
+    positions = [len(p) for p in prompts]
+    together = native.forward(
+        np.asarray([5, 6, 7], dtype=np.int64),
+        np.asarray(positions, dtype=np.int32),
+        np.asarray(tables, dtype=np.int32),
+        joint.tensor,
+        16,
+    )
+    alone = native.forward(
+        np.asarray([6], dtype=np.int64),
+        np.asarray([positions[1]], dtype=np.int32),
+        np.asarray([tables[1]], dtype=np.int32),
+        joint.tensor,
+        16,
+    )
+    assert torch.equal(together[1], alone[0])  # bit for bit, not merely close
+
+
+def test_bad_positions_are_refused_not_read_out_of_bounds(split_model):
+    native = split_model.native
+    assert native is not None
+    pool = KVPool(split_model.kv_layout(16), 2)
+    with pytest.raises(RuntimeError, match="refused"):
+        native.forward(
+            np.asarray([1], dtype=np.int64),
+            np.asarray([40], dtype=np.int32),  # position 40 needs a third block
+            np.asarray([[0, 1]], dtype=np.int32),
+            pool.tensor,
+            16,
+        )
+
+
+def test_no_compiler_means_no_native_step_and_a_reason(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_NATIVE", "0")
+    ck = tiny_checkpoint(seed=0)
+    model = LlamaModel(ck, weights="fp32")
+    step, reason = NativeStep.create(ck, model.embed_tokens, model.rope.cos, model.rope.sin)
+    assert step is None and "SPLITSERVE_NATIVE=0" in reason
+    from shared.model.llama import NativeUnavailable
+
+    with pytest.raises(NativeUnavailable, match="SPLITSERVE_NATIVE"):
+        LlamaModel(ck, weights="native")
+
+
+# ---------------------------------------------------------------- engine paths
+
+
+@pytest.fixture(scope="module", params=["split", "native"])
+def model_and_alone(request, split_model, native_model):
+    model = split_model if request.param == "split" else native_model
+    return model, _alone(model, _prompts(8))
+
+
+def test_batch_of_eight_equals_each_alone(model_and_alone):
+    model, alone = model_and_alone
+    engine = _engine(model)
+    assert engine.generate(_prompts(8), GREEDY) == alone
+    engine.blocks.check_integrity()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 33])
+def test_chunked_prefill_equals_unchunked(model_and_alone, chunk):
+    model, alone = model_and_alone
+    engine = _engine(model, max_num_batched_tokens=chunk)
+    assert engine.generate(_prompts(8), GREEDY) == alone
+    engine.blocks.check_integrity()
+
+
+def test_cached_prefix_equals_fresh(model_and_alone):
+    model, alone = model_and_alone
+    engine = _engine(model)
+    prompt = _prompts(8)[3]
+    assert engine.generate([prompt], GREEDY) == [alone[3]]
+    engine.add_request(prompt, GREEDY)
+    outs = list(engine.run_until_done())
+    assert [t for o in outs for t in o.new_token_ids] == alone[3]
+    assert outs[0].num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
+    engine.blocks.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["ngram", "adaptive"])
+def test_speculative_decoding_equals_plain(model_and_alone, method):
+    model, alone = model_and_alone
+    engine = _engine(model, speculative_method=method, num_speculative_tokens=4)
+    assert engine.generate(_prompts(8), GREEDY) == alone
+    engine.blocks.check_integrity()
+
+
+@pytest.mark.real_model
+def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model):
+    """The bundled GGUF through the native step: logits agree with the fp32 build's."""
+    native = LlamaModel(real_checkpoint, weights="native")
+    assert native.native is not None
+    prompt = [1, *range(300, 340)]
+    pool, table = _prefilled(real_model, prompt, blocks=8)
+    twin = KVPool(pool.layout, pool.num_blocks)
+    twin.tensor.copy_(pool.tensor)
+    n = len(prompt)
+    meta = AttentionMetadata([2], [n + 2], [table], 16)
+    want = real_model.logits(real_model.forward(torch.tensor([42, 7]), meta, pool))
+    hidden = native.native.forward(
+        np.asarray([42, 7], dtype=np.int64),
+        np.asarray([n, n + 1], dtype=np.int32),
+        np.asarray([table] * 2, dtype=np.int32),
+        twin.tensor,
+        16,
+    )
+    got = native.logits(hidden, decode=True)
+    assert (got - want).abs().max().item() <= 1e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
