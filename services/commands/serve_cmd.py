@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from services.commands.common import fail, positive_float
 
@@ -21,6 +22,22 @@ def add_commands(sub) -> None:
         default=300.0,
         metavar="SECONDS",
         help="give up if the stack is not ready by then (default: 300)",
+    )
+    shape = up.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--disaggregated",
+        dest="disaggregated",
+        action="store_const",
+        const=True,
+        default=None,
+        help="without --config: 1 prefill + 1 decode replica (default: chosen by the cores)",
+    )
+    shape.add_argument(
+        "--colocated",
+        dest="disaggregated",
+        action="store_const",
+        const=False,
+        help="without --config: one replica doing both prefill and decode",
     )
     up.set_defaults(handler=run_up)
 
@@ -52,6 +69,18 @@ def run_up(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         return fail(str(exc))
+    if args.config is None:
+        from services.launcher.stack import available_cpus
+        from services.launcher.topology import local_topology
+
+        topology = local_topology(config, available_cpus(), args.disaggregated)
+        config = topology.config
+        print(f"topology: {topology.reason}", file=sys.stderr, flush=True)
+    elif args.disaggregated is not None:
+        return fail(
+            "--disaggregated/--colocated choose the built-in topology; with --config, "
+            "set models[].pools in the file"
+        )
     if args.port is not None:
         coordinator = config.coordinator.model_copy(update={"port": args.port})
         config = config.model_copy(update={"coordinator": coordinator})
