@@ -24,6 +24,17 @@ def gguf_path() -> str:
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """An Engine sets torch's thread count process-wide; a test must not leave it changed
+    for the next (bf16 GEMM rounding, for one, depends on the thread count)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny random-weight Llama in fp32 (same code path as the real model)."""

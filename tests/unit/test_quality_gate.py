@@ -30,6 +30,7 @@ from shared.quality.evaluate import EvalPath, EvalSet, compare_runs, evaluate_bu
 from shared.quality.forward import BranchedSequence, forward_hidden
 from shared.quality.paired import compare_paired
 from shared.quality.piqa import encode_item, load_piqa, score_piqa
+from shared.quality.require import eligible_formats
 from tests.reference import dense_logits
 
 SLICE_ITEMS = 20
@@ -251,14 +252,15 @@ def test_a_complete_passing_report_lets_the_build_serve(tmp_path, gguf_path, bf1
     assert accepted.top1_agreement >= MIN_TOP1_AGREEMENT
 
 
-def test_auto_serves_only_when_both_of_its_paths_passed(tmp_path, gguf_path, bf16_report):
+def test_auto_may_choose_only_formats_whose_reports_pass(tmp_path, gguf_path, bf16_report):
     full = dataclasses.replace(bf16_report, complete=True, items=1838)
     full.save(default_report_path(full.model_fingerprint, "bf16", tmp_path))
-    with pytest.raises(QualityGateError, match="int4 was never evaluated"):
-        require_gate("auto", None, model=gguf_path, cache_dir=tmp_path)
+    eligible, refused = eligible_formats(gguf_path, cache_dir=tmp_path)
+    assert eligible == ["fp32", "native", "bf16"]
+    assert "int4 was never evaluated" in refused["int4"]
     int4 = dataclasses.replace(full, weights="int4")
     int4.save(default_report_path(full.model_fingerprint, "int4", tmp_path))
-    assert require_gate("auto", None, model=gguf_path, cache_dir=tmp_path) is None
+    assert "int4" in eligible_formats(gguf_path, cache_dir=tmp_path)[0]
 
 
 def test_a_slice_report_is_not_a_gate(tmp_path, gguf_path, bf16_report):
