@@ -25,6 +25,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.native.build import cache_dir as native_cache_dir
+from kernels.native.build import SOURCE as NATIVE_SOURCE
 from kernels.native.build import cpu_signature
 from shared.kvcache.pool import KVPool
 from shared.model.gguf_file import Checkpoint
@@ -173,8 +174,10 @@ def pick(timings: dict[str, dict[str, float]]) -> tuple[ModelFormat, ModelFormat
 def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:
     import hashlib
 
+    # The kernel's source is part of the key: a faster native step must be measured anew.
+    kernel = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
     key = "|".join(
-        [str(CHOOSER_VERSION), cpu_signature(), str(threads), model_key, ",".join(eligible)]
+        [str(CHOOSER_VERSION), cpu_signature(), str(threads), model_key, ",".join(eligible), kernel]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return native_cache_dir().parent / "formats" / f"choice-{digest}.json"
