@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.native.build import cache_dir as native_cache_dir
 from kernels.native.build import SOURCE as NATIVE_SOURCE
+from kernels.native.build import cache_dir as native_cache_dir
 from kernels.native.build import cpu_signature
 from shared.kvcache.pool import KVPool
 from shared.model.gguf_file import Checkpoint
