@@ -10,7 +10,10 @@ import sys
 # while after each parallel op, and on a small box that spinning takes the very core the
 # native decode step's second thread needs next (measured: a 512-context decode step 14.0 ms
 # spinning vs 10.0 ms passive on 2 cores). An operator's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    # Marks the setting as ours, so a peer we benchmark runs with the user's own environment.
+    os.environ["SPLITSERVE_OMP_WAIT_POLICY"] = "set"
 
 from services.commands import bench_cmd, generate_cmd
 

@@ -4,6 +4,7 @@ read bandwidth and against llama.cpp on the same GGUF and thread count (when ins
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import time
@@ -116,7 +117,12 @@ def llamacpp_peer(model_path: str, threads: int) -> dict | None:
 def llama_bench_peer(binary: str, model_path: str, threads: int) -> dict:
     """llama.cpp's own benchmark on the same GGUF and threads: pp1024 and tg128 at t/s."""
     cmd = [binary, "-m", model_path, "-t", str(threads), "-p", "1024", "-n", "128", "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ)
+    if env.pop("SPLITSERVE_OMP_WAIT_POLICY", None):
+        # Our processes sleep OpenMP threads between ops; llama.cpp's decode (also OpenMP)
+        # measured 5x slower that way. The peer gets the environment the user gave us.
+        env.pop("OMP_WAIT_POLICY", None)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-300:]}")
     rows = json.loads(done.stdout)
