@@ -103,8 +103,16 @@ class WorkerRuntime:
         model, self.format_choice = load_serving_model(
             self.model_cfg.path, self.model_cfg.weights, threads=threads
         )
+        memory = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in model.memory_bytes().items())
         log.info(
-            "%s weights: prefill %s, decode %s", self.worker_id, model.weights, model.decode_weights
+            "%s weights: prefill %s, decode %s; memory: %s; KV %d MiB; host tier %d MiB "
+            "(reserved, resident as used)",
+            self.worker_id,
+            model.weights,
+            model.decode_weights,
+            memory,
+            worker.kv_cache_bytes // 2**20,
+            worker.host_cache_bytes // 2**20,
         )
         layout = model.kv_layout(config.block_size)
         num_blocks = worker.kv_cache_bytes // layout.block_bytes

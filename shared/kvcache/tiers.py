@@ -44,7 +44,9 @@ class HostTier:
         self.dtype = dtype
         self.disk = disk
         # Pinned memory makes device<->host copies asynchronous-capable; CPU-only hosts can't.
-        self.tensor = torch.zeros(
+        # Uninitialised on purpose: a slot is read only after a block was copied into it, and
+        # zeros would make the whole budget resident at start (512 MiB by default) for nothing.
+        self.tensor = torch.empty(
             (capacity_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
         )
         self.block_bytes = self.tensor[0].numel() * self.tensor.element_size()

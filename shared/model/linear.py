@@ -91,6 +91,12 @@ class Linear:
             return n + self.out_features * 2
         return n // 2 + (n // INT4_GROUP) * 4  # int4
 
+    @property
+    def nbytes_held(self) -> int:
+        """Memory this layer's weights take, whatever its format."""
+        tensors = [self.fp32, self.bf16, *(self.int8 or ()), *(self.int4 or ())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32 is not None:
             return F.linear(x, self.fp32)

@@ -48,15 +48,22 @@ class NativeUnavailable(RuntimeError):
 
 
 def _torch_layers(
-    checkpoint: Checkpoint, weights: WeightFormat, dev: torch.device
-) -> tuple[list[_Layer], Linear]:
+    checkpoint: Checkpoint, weights: WeightFormat, dev: torch.device, head: bool = True
+) -> tuple[list[_Layer], Linear | None]:
     cfg = checkpoint.config
     t = checkpoint.tensors
     blocks = checkpoint.q4_1_blocks
-    head = t.get("lm_head", t["embed_tokens"])
     # The output projection decides the argmax: 4-bit groups there flipped 14.5% of fp32's
     # top-1 tokens (quality gate, PIQA set), so int4 builds keep it in bf16.
-    lm_head = Linear(head.to(dev), _HEAD_FORMAT.get(weights, weights), blocks.get("lm_head"))
+    lm_head = (
+        Linear(
+            t.get("lm_head", t["embed_tokens"]).to(dev),
+            _HEAD_FORMAT.get(weights, weights),
+            blocks.get("lm_head"),
+        )
+        if head
+        else None
+    )
     layers: list[_Layer] = []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -149,10 +156,14 @@ class LlamaModel:
                 raise NativeUnavailable(f"the native step is unavailable: {self.native_reason}")
         # Torch layers per torch format in use (usually one; two only if the chooser measured
         # two different torch formats fastest for the two paths).
-        self._torch: dict[str, tuple[list[_Layer], Linear]] = {}
+        self._torch: dict[str, tuple[list[_Layer], Linear | None]] = {}
         for fmt in dict.fromkeys((self.weights, self.decode_weights)):
             if fmt != "native":
-                self._torch[fmt] = _torch_layers(checkpoint, fmt, dev)  # type: ignore[arg-type]
+                # With a native step, its head (the file's Q8_0 rows, ~1/3 the bytes of a bf16
+                # copy) serves both paths: the prompt path needs logits of a few rows only.
+                self._torch[fmt] = _torch_layers(  # type: ignore[arg-type]
+                    checkpoint, fmt, dev, head=self.native is None
+                )
         # The layers of the prompt path, matrices as callables (the quality gate's dense
         # forward reads them): torch Linears, or the native kernel's own matrices.
         if self.weights == "native":
@@ -170,7 +181,8 @@ class LlamaModel:
             ]
             self.lm_head = self.native.matrix(-1, "head")
         else:
-            self.layers, self.lm_head = self._torch[self.weights]
+            self.layers, torch_head = self._torch[self.weights]
+            self.lm_head = torch_head or (self.native.matrix(-1, "head") if self.native else None)
 
     @property
     def decode_native(self) -> bool:
@@ -197,7 +209,8 @@ class LlamaModel:
         """Bytes of weights one batch-1 decode step reads (embedding row lookup excluded)."""
         if self.native is not None and self.decode_native:
             return self.native.nbytes.per_step_b1
-        layers, head = self._torch[self.decode_weights]
+        layers, torch_head = self._torch[self.decode_weights]
+        head: Matrix = torch_head or self.native.matrix(-1, "head")  # type: ignore[union-attr]
         per_layer = [
             lyr.qkv.nbytes_per_call
             + lyr.o_proj.nbytes_per_call
@@ -206,6 +219,18 @@ class LlamaModel:
             for lyr in layers
         ]
         return sum(per_layer) + head.nbytes_per_call
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes each weight representation holds (what the worker reports at start)."""
+        out = {"embedding+norms": self.embed_tokens.numel() * 4}
+        for fmt, (layers, head) in self._torch.items():
+            matrices = [m for lyr in layers for m in (lyr.qkv, lyr.o_proj, lyr.gate_up, lyr.down)]
+            if head is not None:
+                matrices.append(head)
+            out[f"torch {fmt}"] = sum(m.nbytes_held for m in matrices)  # type: ignore[union-attr]
+        if self.native is not None:
+            out["native"] = self.native.nbytes.weights
+        return out
 
     def torch_path(self, decode: bool) -> str | None:
         """The torch format a path runs in, or None when it runs natively."""
@@ -274,7 +299,9 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Logits of final hidden states, with the head of the path they came from."""
         fmt = self.decode_weights if decode else self.weights
-        if fmt == "native":
+        if fmt == "native" or (self.native is not None and self._torch[fmt][1] is None):
             assert self.native is not None
             return self.native.logits(hidden)
-        return self._torch[fmt][1](hidden)
+        head = self._torch[fmt][1]
+        assert head is not None
+        return head(hidden)
