@@ -4,6 +4,8 @@ engine's single-process greedy output."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -85,10 +87,12 @@ def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokeni
         stream=True,
         stream_options={"include_usage": True},
     )
-    text, usage, reasons = "", None, []
+    text, usage, reasons, metadata = "", None, [], []
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+        if chunk.to_dict().get("metadata"):
+            metadata.append(chunk.to_dict()["metadata"])
         for choice in chunk.choices:
             text += choice.delta.content or ""
             if choice.finish_reason:
@@ -96,6 +100,9 @@ def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokeni
     assert text == expected
     assert usage is not None and usage.completion_tokens == n_tokens
     assert reasons and reasons[-1] in ("stop", "length")
+    # The first token left before the KV push was over; the push's outcome comes at the end.
+    assert "transfer" not in metadata[0]
+    assert json.loads(metadata[-1]["transfer"])["status"] == "done"
 
 
 def test_second_turn_reports_cached_tokens(client):

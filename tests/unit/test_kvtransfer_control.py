@@ -54,7 +54,7 @@ class DecodeControl(KvTransferControlServicer):
         self.finished: list[tuple[str, TransferState]] = []
         self._rng = random.Random(7)
 
-    def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
+    async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
         allocation = self.blocks.allocate(tokens(num_blocks, self._rng))
         if allocation is None:
             raise BlocksUnavailable(

@@ -133,7 +133,8 @@ def test_prefill_spans_from_the_engine_timeline(setup):
         transfer = pb.TransferOutcome(
             status="done", nbytes=4096, seconds=0.002, backend="shm", num_blocks=3
         )
-        call.record(pb.PrefillResponse(num_prompt_tokens=40, transfer=transfer))
+        call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
+        call.record_transfer(transfer)
     parent.end()
     got = _spans(exporter, tracing)
     (server,) = got["splitserve.prefill"]
@@ -165,7 +166,8 @@ def test_failed_transfer_is_an_error_span(setup):
     spec = pb.GenerateSpec(request_id="r2", prompt_token_ids=PROMPT)
     with spans.prefill(pb.PrefillRequest(spec=spec), ()) as call:
         failed = pb.TransferOutcome(status="failed", error="no room", backend="tcp", seconds=0.1)
-        call.record(pb.PrefillResponse(num_prompt_tokens=40, transfer=failed))
+        call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
+        call.record_transfer(failed)
     (span,) = _spans(exporter, tracing)["splitserve.kv_transfer"]
     assert span.status.status_code == otel_trace.StatusCode.ERROR
     assert "no room" in span.status.description
