@@ -149,9 +149,15 @@ class PrefillCall:
             return
         t = event.transfer
         self._span.record_transfer(t)
-        self._settle(
-            {"status": t.status, "bytes": t.nbytes, "seconds": t.seconds, "backend": t.backend}
-        )
+        outcome = {
+            "status": t.status,
+            "bytes": t.nbytes,
+            "seconds": t.seconds,
+            "backend": t.backend,
+        }
+        if t.error:
+            outcome["error"] = t.error
+        self._settle(outcome)
 
     def _stream_failed(self, reason: str, lost: bool) -> None:
         log.warning(

@@ -78,8 +78,8 @@ def test_decode_while_receiving_and_after_landing():
         await _until(lambda: arrivals.waiting("during") == 1)
         arrivals.landed("during")
         arrivals.landed("after")
-        assert arrivals.num_parked == 1  # "during" went straight to its waiting call
         assert await waiter is during
+        assert arrivals.num_parked == 1  # "after" waits for its call
         assert await arrivals.take("after", wait_s=30) is after
         assert arrivals.num_parked == 0 and not pool.freed
         pool.free(during)
