@@ -77,7 +77,8 @@ def test_sdk_chat_greedy_equals_single_process(client, real_model, real_tokenize
 
 
 def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokenizer):
-    messages = [{"role": "user", "content": QUESTION}]
+    # Not QUESTION: the decode replica holding that conversation would prefill it itself.
+    messages = [{"role": "user", "content": "Name three rivers in Europe, in one short sentence."}]
     expected, n_tokens = expected_greedy(real_model, real_tokenizer, messages, 24)
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL_ID,
@@ -101,6 +102,7 @@ def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokeni
     assert usage is not None and usage.completion_tokens == n_tokens
     assert reasons and reasons[-1] in ("stop", "length")
     # The first token left before the KV push was over; the push's outcome comes at the end.
+    assert "->" in metadata[-1]["replica"]  # prefill->decode
     assert "transfer" not in metadata[0]
     assert json.loads(metadata[-1]["transfer"])["status"] == "done"
 
