@@ -142,7 +142,7 @@ async def _overhead(stack, tokenizer: Tokenizer, repeats: int = 12) -> dict:
             resp.raise_for_status()
             via.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
-            await stub.Prefill(
+            call = stub.Prefill(
                 pb.PrefillRequest(
                     spec=pb.GenerateSpec(
                         request_id=f"direct-{r}",
@@ -152,7 +152,10 @@ async def _overhead(stack, tokenizer: Tokenizer, repeats: int = 12) -> dict:
                     )
                 )
             )
+            await call.read()  # the first token
             direct.append((time.perf_counter() - t) * 1e3)
+            while await call.read() is not grpc.aio.EOF:  # then the (skipped) push's outcome
+                pass
     return {
         "ttft_via_coordinator_p50_ms": percentile(via, 0.5),
         "ttft_direct_worker_p50_ms": percentile(direct, 0.5),

@@ -36,12 +36,14 @@ def _one_request(tracing: Tracing, workers: WorkerTracing, i: int) -> None:
             if timeline is not None:
                 timeline.first_step_ns = now
                 timeline.chunks.append(ChunkRecord(now, now + 1000, 64, 1, 64))
+            first = pb.PrefillFirstToken(num_prompt_tokens=64)
+            prefill.record_first_token(first)
+            call.record_first_token(first)
+            request.first_token()
             transfer = pb.TransferOutcome(status="done", nbytes=1 << 20, backend="shm")
-            response = pb.PrefillResponse(num_prompt_tokens=64, transfer=transfer)
-            prefill.record(response)
-        call.record_prefill(response)
+            prefill.record_transfer(transfer)
+        call.record_transfer(transfer)
         call.end()
-        request.first_token()
         call = RpcSpan(tracing.tracer, A.SPAN_DECODE, "Decode", "d0", "127.0.0.1:2")
         spec = pb.GenerateSpec(request_id=f"req-{i}-d", prompt_token_ids=[1] * 64)
         with workers.decode(pb.DecodeRequest(spec=spec, kv_transferred=True), call.metadata) as d:

@@ -54,6 +54,7 @@ _BENCH_MODULES = [
     "services.commands.spec_cmd",
     "services.commands.tiers_cmd",
     "services.commands.trace_cmd",
+    "services.commands.ttft_cmd",
     "services.commands.tune_cmd",
 ]
 

@@ -33,7 +33,6 @@ from services.coordinator.routing import RoutingDecision, choose_pair
 from services.worker.convert import params_to_proto
 from shared.engine.output import TextTracker
 from shared.proto_gen import worker_pb2 as pb
-from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
 from shared.telemetry.rpc_spans import describe_route
@@ -79,12 +78,12 @@ class GrpcBackend:
         }
         return {"ready": self.registry.is_ready(), "workers": workers}
 
-    def _stub(self, worker: WorkerInfo) -> pb_grpc.WorkerStub:
+    def _channel(self, worker: WorkerInfo) -> grpc.aio.Channel:
         channel = self._channels.get(worker.address)
         if channel is None:
             channel = grpc.aio.insecure_channel(worker.address)
             self._channels[worker.address] = channel
-        return pb_grpc.WorkerStub(channel)
+        return channel
 
     async def close(self) -> None:
         if self._background:  # aborts still on their way out
@@ -133,7 +132,7 @@ class GrpcBackend:
         while True:
             attempt = PairAttempt(
                 self.registry,
-                self._stub,
+                self._channel,
                 self._tracer,
                 decision,
                 self._spec(req, progress),

@@ -1,10 +1,13 @@
 """One attempt at serving a request on one (prefill, decode) pair of replicas.
 
-Disaggregated: Prefill on the prefill replica (which pushes the KV to the chosen decode
-replica) yields the first token at once; Decode on the decode replica streams the rest.
-Local prefill (colocated `both` replicas, or a decode replica that prefills the tail itself):
-one Decode call. The attempt yields raw `Piece`s; text, stop strings and counters across
-attempts are the caller's (migration continues a stream on a new pair).
+Disaggregated: Prefill on the prefill replica streams the first token the moment it is
+sampled, and the attempt yields it and opens Decode on the decode replica at once, while the
+prefill replica pushes the KV there (the decode replica waits for it, or prefills locally if
+it never lands); the push's outcome is read in the background and reported with the stream
+(`Piece.transfer`, at the latest on the finished piece). Local prefill (colocated `both`
+replicas, or a decode replica that prefills the tail itself): one Decode call. The attempt
+yields raw `Piece`s; text, stop strings and counters across attempts are the caller's
+(migration continues a stream on a new pair).
 """
 
 from __future__ import annotations
@@ -13,47 +16,33 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from services.coordinator.backend import BackendError, BackendRequestError
 from services.coordinator.migration import LOST_CODES, ReplicaLost
+from services.coordinator.piece import Piece
+from services.coordinator.prefill_call import PrefillCall
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision
 from services.worker.convert import logprob_from_proto, prompt_logprobs_from_proto
-from shared.engine.output import TokenLogprob
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.rpc_spans import RpcSpan
 
+__all__ = ["ABORT_TIMEOUT_S", "PairAttempt", "Piece"]
+
 # Aborts sent when a client leaves must not hang on a replica that is itself in trouble.
 ABORT_TIMEOUT_S = 2.0
-
-
-@dataclass
-class Piece:
-    """What one worker message carried for the request."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int  # cumulative within this attempt
-    replica: str
-    prompt_logprobs: list[float | None] | None = None
-    transfer: dict[str, Any] | None = None  # on the prefill replica's piece
 
 
 class PairAttempt:
     def __init__(
         self,
         registry: WorkerRegistry,
-        stub: Callable[[WorkerInfo], pb_grpc.WorkerStub],
+        channel: Callable[[WorkerInfo], grpc.aio.Channel],
         tracer: trace.Tracer,
         decision: RoutingDecision,
         spec: pb.GenerateSpec,
@@ -61,12 +50,15 @@ class PairAttempt:
         background: set[asyncio.Task],
     ):
         self.registry = registry
-        self._stub = stub
+        self._channel = channel
         self._tracer = tracer
         self.decision = decision
         self.spec = spec
         self.transfer_deadline_s = transfer_deadline_s
         self._background = background  # keeps fire-and-forget aborts referenced
+
+    def _stub(self, worker: WorkerInfo) -> pb_grpc.WorkerStub:
+        return pb_grpc.WorkerStub(self._channel(worker))
 
     async def run(self) -> AsyncIterator[Piece]:
         """Yields pieces until one is finished. Raises ReplicaLost when a replica dies,
@@ -77,23 +69,46 @@ class PairAttempt:
         finished = False
         lost: str | None = None
         decode.in_flight += 1
-        if prefill is not None:
-            prefill.in_flight += 1
+        call: PrefillCall | None = None
+        decoding: _DecodeCall | None = None
         try:
             first_token, prefill_cached = None, 0
             if prefill is not None:
-                try:
-                    piece = await self._prefill(prefill, decode)
-                finally:
-                    prefill.in_flight -= 1
+                call = PrefillCall(
+                    self.registry,
+                    self._channel,
+                    self._tracer,
+                    prefill,
+                    decode,
+                    self.spec,
+                    self.transfer_deadline_s,
+                    self._failure,
+                    self._background,
+                )
+                piece = await call.first_token()
                 first_token, prefill_cached = piece.token_ids[0], piece.num_cached_tokens
                 finished = piece.finished
+                if not finished:
+                    # Both go on while the client reads the token: the push, and Decode
+                    # (opened now, not when the client asks for more: its replica starts
+                    # waiting for the KV at once).
+                    call.watch_transfer()
+                    decoding = self._open_decode(decode, first_token)
                 yield piece
-                if finished:
-                    if piece.transfer and piece.transfer["status"] == "done":
-                        self._abort_later(decode)  # the pushed KV is not needed now
+                if finished:  # nothing was pushed: the first token ended the request
                     return
-            async for piece in self._decode(decode, first_token, prefill_cached):
+            if decoding is None:
+                decoding = self._open_decode(decode, None)
+            unreported = call
+            async for piece in self._decode(decode, decoding, prefill_cached):
+                if unreported is not None:
+                    piece.transfer = (
+                        await unreported.transfer(self.transfer_deadline_s)
+                        if piece.finished  # the push's outcome belongs in the last chunk
+                        else unreported.transfer_now()
+                    )
+                    if piece.transfer is not None:
+                        unreported = None
                 finished = piece.finished
                 yield piece
                 if finished:
@@ -103,57 +118,32 @@ class PairAttempt:
             raise
         finally:
             decode.in_flight -= 1
+            if decoding is not None:
+                decoding.close()
+            if call is not None:
+                call.close()
             if not finished:
                 for worker in (prefill, decode):
                     if worker is not None and worker.worker_id != lost:
                         self._abort_later(worker)
 
-    async def _prefill(self, prefill: WorkerInfo, decode: WorkerInfo) -> Piece:
-        span = RpcSpan(self._tracer, A.SPAN_PREFILL, "Prefill", prefill.worker_id, prefill.address)
-        try:
-            resp = await self._stub(prefill).Prefill(
-                pb.PrefillRequest(
-                    spec=self.spec,
-                    destination=pb.KVDestination(
-                        control_address=decode.address,
-                        agent_name=decode.transfer_agent,
-                        deadline_s=self.transfer_deadline_s,
-                    ),
-                ),
-                metadata=span.metadata,
-            )
-            span.record_prefill(resp)
-        except grpc.aio.AioRpcError as exc:
-            span.fail(exc)
-            raise self._failure(prefill, exc) from exc
-        finally:
-            span.end()
-        return Piece(
-            token_ids=[resp.first_token],
-            logprobs=[logprob_from_proto(resp.logprob)] if resp.has_logprob else [],
-            finished=resp.finished,
-            finish_reason=resp.finish_reason or None,
-            num_prompt_tokens=resp.num_prompt_tokens,
-            num_cached_tokens=resp.num_cached_tokens,
-            num_output_tokens=1,
-            replica=prefill.worker_id,
-            prompt_logprobs=prompt_logprobs_from_proto(resp.prompt_logprobs),
-            transfer={
-                "status": resp.transfer.status,
-                "bytes": resp.transfer.nbytes,
-                "seconds": resp.transfer.seconds,
-                "backend": resp.transfer.backend,
-            },
-        )
-
-    async def _decode(
-        self, decode: WorkerInfo, first_token: int | None, prefill_cached: int
-    ) -> AsyncIterator[Piece]:
+    def _open_decode(self, decode: WorkerInfo, first_token: int | None) -> _DecodeCall:
+        pushed = first_token is not None
         request = pb.DecodeRequest(
-            spec=self.spec, kv_transferred=first_token is not None, first_token=first_token or 0
+            spec=self.spec,
+            kv_transferred=pushed,
+            first_token=first_token or 0,
+            # The push began as the first token left the prefill replica: a PrepareReceive
+            # that has not reached the decode replica within the push's deadline never will.
+            kv_deadline_s=self.transfer_deadline_s if pushed else 0.0,
         )
         span = RpcSpan(self._tracer, A.SPAN_DECODE, "Decode", decode.worker_id, decode.address)
-        call = self._stub(decode).Decode(request, metadata=span.metadata)
+        return _DecodeCall(self._stub(decode).Decode(request, metadata=span.metadata), span)
+
+    async def _decode(
+        self, decode: WorkerInfo, decoding: _DecodeCall, prefill_cached: int
+    ) -> AsyncIterator[Piece]:
+        call, span = decoding.call, decoding.span
         try:
             async for msg in call:
                 span.record_chunk(len(msg.token_ids), msg.finished, msg.num_output_tokens)
@@ -179,8 +169,7 @@ class PairAttempt:
             span.fail(exc)
             raise self._failure(decode, exc) from exc
         finally:
-            call.cancel()
-            span.end()
+            decoding.close()
         # An OK end without a finished chunk: the replica drained or broke; treat it as gone.
         reason = "the stream ended without finishing"
         self.registry.mark_dead(decode.worker_id, reason)
@@ -209,3 +198,14 @@ class PairAttempt:
         task = asyncio.get_running_loop().create_task(abort())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+@dataclass
+class _DecodeCall:
+    call: grpc.aio.UnaryStreamCall
+    span: RpcSpan
+
+    def close(self) -> None:
+        """Idempotent: cancelling a finished call does nothing, the span ends once."""
+        self.call.cancel()
+        self.span.end()

@@ -1,16 +1,24 @@
 """The decode role: receive a request's KV into blocks reserved for it, join the continuous
-batch, stream tokens as they come. Without pushed KV (transfer failed, or told to) the
-replica prefills the prompt itself. A cancelled stream frees its blocks at once."""
+batch, stream tokens as they come. The Decode call may come while the KV is still on its way:
+it waits for the receive (bounded by the transfer deadline). Without pushed KV (transfer
+failed, timed out, aborted, or told to) the replica prefills the prompt itself. A cancelled
+stream frees its blocks at once."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
 
-from services.kvtransfer.control import BlocksUnavailable, KvTransferControlServicer
+from services.kvtransfer.control import (
+    BlocksUnavailable,
+    KvTransferControlServicer,
+    ReceiveRefused,
+)
 from services.kvtransfer.types import TransferState
 from services.worker.convert import logprob_to_proto, params_from_proto, prompt_logprobs_to_proto
 from services.worker.runtime import WorkerRuntime
@@ -36,9 +44,18 @@ class DecodeService:
         if rid in self.runtime.cancelled:  # aborted before its Decode call got here
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
         prompt = list(spec.prompt_token_ids)
-        if not request.kv_transferred:  # this replica computes the first token
+        table = None
+        waited = time.perf_counter()
+        if request.kv_transferred:
+            wait_s = request.kv_deadline_s or self.runtime.config.transfer.deadline_s
+            table = await self.runtime.arrivals.take(rid, wait_s)
+            if rid in self.runtime.cancelled:  # aborted while its KV was on the way
+                if table is not None:
+                    self.runtime.free_blocks(table)
+                await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
+        else:  # this replica computes the first token
             await self.runtime.delay_first_token()
-        table = self.runtime.take_parked(rid) if request.kv_transferred else None
+        kv_wait_ms = (time.perf_counter() - waited) * 1e3 if request.kv_transferred else 0.0
         local = table is None
         if table is not None:
 
@@ -72,10 +89,12 @@ class DecodeService:
         # its KV was lost and the prompt was recomputed here.
         extra = 1 if request.kv_transferred and local else 0
         start = time.perf_counter()
+        first = True
         try:
             async for out in self.runtime.async_engine.generate(add):
                 now_ms = (time.perf_counter() - start) * 1e3
                 yield pb.DecodeChunk(
+                    kv_wait_ms=kv_wait_ms if first else 0.0,
                     token_ids=out.new_token_ids,
                     logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
                     token_time_ms=[now_ms] * len(out.new_token_ids),
@@ -87,6 +106,7 @@ class DecodeService:
                     local_prefill=local,
                     prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
                 )
+                first = False
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.param}: {exc}")
         except EngineStepError as exc:
@@ -94,13 +114,12 @@ class DecodeService:
 
 
 class DecodeTransferControl(KvTransferControlServicer):
-    """The kvtransfer control plane with this replica's engine as the block owner."""
+    """The kvtransfer control plane with this replica's engine as the block owner; what
+    arrives is handed to the Decode call through the runtime's ``KVArrivals``."""
 
     def __init__(self, runtime: WorkerRuntime, **kwargs):
         super().__init__(runtime.transfer, **kwargs)
         self.runtime = runtime
-        self._reserved: dict[str, object] = {}
-        self._tables: dict[str, object] = {}
 
     async def cancel(self, request_id: str) -> bool:
         """Stop a receive still in flight; its blocks come back through the usual hook."""
@@ -111,36 +130,51 @@ class DecodeTransferControl(KvTransferControlServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id} was cancelled"
             )
-        # Blocks are reserved on the engine thread first; the base class then only
-        # looks them up (its hook is synchronous).
-        block_size = self.runtime.engine.blocks.block_size
-        n_tokens = max(1, request.num_blocks) * block_size
-        table = await self.runtime.async_engine.call(lambda e: e.reserve_blocks(n_tokens))
-        self._reserved[request.request_id] = table
-        try:
-            return await super().PrepareReceive(request, context)
-        finally:
-            leftover = self._reserved.pop(request.request_id, None)
-            if leftover is not None:  # refused before the hook took it
-                self.runtime.async_engine.post(lambda e: e.free_reserved(leftover))
+        return await super().PrepareReceive(request, context)
 
-    def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
-        table = self._reserved.pop(request_id, None)
+    async def Abort(self, request, context):
+        response = await super().Abort(request, context)
+        # The sender gave up, perhaps before PrepareReceive: a Decode call waiting for this
+        # KV prefills locally now instead of at its deadline.
+        self.runtime.arrivals.never_coming(request.request_id, request.reason or "sender aborted")
+        return response
+
+    async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
+        rt = self.runtime
+        n_tokens = max(1, num_blocks) * rt.engine.blocks.block_size
+        reserving = asyncio.ensure_future(
+            rt.async_engine.call(lambda e: e.reserve_blocks(n_tokens))
+        )
+        try:
+            table = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            # The engine thread reserves them anyway: they go back once it has.
+            reserving.add_done_callback(_free_when_reserved(rt))
+            raise
         if table is None:
-            raise BlocksUnavailable(
-                f"decode replica {self.runtime.worker_id} has no room for {num_blocks} blocks now"
-            )
-        self._tables[request_id] = table
+            reason = f"decode replica {rt.worker_id} has no room for {num_blocks} blocks now"
+            rt.arrivals.never_coming(request_id, reason)
+            raise BlocksUnavailable(reason)
+        if request_id in rt.cancelled or not rt.arrivals.receiving(request_id, table):
+            rt.free_blocks(table)
+            raise ReceiveRefused(f"request {request_id} no longer wants its KV here")
         return list(table.block_ids)
 
     def on_transfer_finished(
         self, request_id: str, block_ids: list[int], state: TransferState
     ) -> None:
-        table = self._tables.pop(request_id, None)
-        if table is None:
-            return
         if state is TransferState.DONE:
-            self.runtime.park(request_id, table)
+            self.runtime.arrivals.landed(request_id)
         else:
             log.warning("KV transfer of %s ended %s; its blocks are freed", request_id, state.value)
-            self.runtime.async_engine.post(lambda e: e.free_reserved(table))
+            self.runtime.arrivals.receive_failed(request_id, state.value)
+
+
+def _free_when_reserved(runtime: WorkerRuntime) -> Callable[[asyncio.Future], None]:
+    def free(reserving: asyncio.Future) -> None:
+        if not reserving.cancelled() and reserving.exception() is None:
+            table = reserving.result()
+            if table is not None:
+                runtime.free_blocks(table)
+
+    return free

@@ -1,10 +1,11 @@
 """The kvtransfer control plane over grpc.aio: the decode side serves it, prefill calls it.
 
 ``KvTransferControlServicer`` is the decode replica's base: subclass it with the two block
-manager hooks (``allocate_blocks``, ``on_transfer_finished``). Every prepared request is
-watched by a task, so its blocks come back exactly once even when the sender vanishes and
-never calls TransferDone. The client side (``KvTransferControlClient``, ``push_blocks``)
-lives in ``control_client`` and is re-exported here.
+manager hooks (``allocate_blocks``, async because reserving blocks is a trip to the engine
+thread; ``on_transfer_finished``). Every prepared request is watched by a task, so its blocks
+come back exactly once even when the sender vanishes and never calls TransferDone. The
+client side (``KvTransferControlClient``, ``push_blocks``) lives in ``control_client`` and
+is re-exported here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from shared.proto_gen import kvtransfer_pb2_grpc as pb_grpc
 
 __all__ = [
     "BlocksUnavailable",
+    "ReceiveRefused",
     "ControlPlaneError",
     "KvTransferControlClient",
     "KvTransferControlServicer",
@@ -52,8 +54,16 @@ __all__ = [
 _REMEMBERED_OUTCOMES = 4096
 
 
-class BlocksUnavailable(Exception):
+class ReceiveRefused(Exception):
+    """Raised by ``allocate_blocks`` when this replica no longer wants the request's KV."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class BlocksUnavailable(ReceiveRefused):
     """Raised by ``allocate_blocks`` when the decode pool cannot hold the request now."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @dataclass
@@ -69,12 +79,15 @@ class KvTransferControlServicer(pb_grpc.KvTransferControlServicer):
         self.backend = backend
         self.grace_s = grace_s
         self._entries: dict[str, _Entry] = {}
+        self._preparing: set[str] = set()  # PrepareReceive awaiting its blocks
         self._outcomes: OrderedDict[str, tuple[TransferState, str]] = OrderedDict()
 
     # ------------------------------------------------------ decode-service hooks
 
-    def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
-        """Blocks for the incoming KV; raise BlocksUnavailable when the pool is full."""
+    async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
+        """Blocks for the incoming KV; raise BlocksUnavailable when the pool is full,
+        ReceiveRefused when the request is not wanted. If the call is cancelled, the
+        blocks it may have reserved are the hook's to give back."""
         raise NotImplementedError
 
     def on_transfer_finished(
@@ -103,23 +116,28 @@ class KvTransferControlServicer(pb_grpc.KvTransferControlServicer):
         mismatch = layout_mismatch(layout, self.backend.pool.layout, "sender", "receiver")
         if mismatch:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, mismatch)
-        if rid in self._entries:
+        if rid in self._entries or rid in self._preparing:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is in flight")
         try:
             self.backend.add_peer(sender.agent_name, sender)
         except (TransferError, ValueError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self._preparing.add(rid)
         try:
-            block_ids = self.allocate_blocks(rid, request.num_blocks)
-        except BlocksUnavailable as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            block_ids = await self.allocate_blocks(rid, request.num_blocks)
+        except ReceiveRefused as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            self._preparing.discard(rid)
+        # No await from here until the watcher exists: nothing can come between the blocks
+        # and the entry that gives them back.
         try:
             if len(block_ids) != request.num_blocks:
                 raise RuntimeError(
                     f"allocate_blocks gave {len(block_ids)} blocks for {request.num_blocks}"
                 )
             handle = self.backend.prepare_receive(rid, block_ids, request.deadline_s + self.grace_s)
-        except Exception:  # a bug on this side: give the blocks back, fail loudly
+        except BaseException:  # a bug on this side: give the blocks back, fail loudly
             self.on_transfer_finished(rid, block_ids, TransferState.FAILED)
             raise
         session = TransferSession(

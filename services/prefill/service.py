@@ -1,6 +1,7 @@
-"""The prefill role: compute a prompt's KV in chunks, sample the first token, push the KV to
-the decode replica the coordinator chose, and give the blocks back (they stay in the prefix
-cache, so the next turn of the conversation reuses them)."""
+"""The prefill role: compute a prompt's KV in chunks, sample the first token and stream it to
+the coordinator at once, then push the KV to the decode replica the coordinator chose and
+stream the push's outcome; the blocks go back afterwards (they stay in the prefix cache, so
+the next turn of the conversation reuses them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -24,6 +26,13 @@ from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.params import SamplingParamError
 
 log = logging.getLogger(__name__)
+
+# Refusals by the decode replica itself: it already knows no KV is coming.
+_REFUSALS = (
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+)
 
 
 class PrefillService:
@@ -43,7 +52,8 @@ class PrefillService:
 
     async def prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PrefillResponse:
+    ) -> AsyncIterator[pb.PrefillEvent]:
+        """Yields the first token the moment it is sampled, then the KV push's outcome."""
         spec = request.spec
         rid = spec.request_id
         try:
@@ -76,10 +86,9 @@ class PrefillService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.param}: {exc}")
         assert first is not None and first.new_token_ids, "prefill produced no token"
         prefill_ms = (time.perf_counter() - start) * 1e3
-        token = first.new_token_ids[0]
         finished = first.finish_reason == "stop" or params.max_tokens <= 1
-        response = pb.PrefillResponse(
-            first_token=token,
+        token = pb.PrefillFirstToken(
+            first_token=first.new_token_ids[0],
             prompt_logprobs=prompt_logprobs_to_proto(first.prompt_logprobs),
             num_prompt_tokens=first.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
@@ -89,14 +98,21 @@ class PrefillService:
             replica=self.runtime.worker_id,
         )
         if first.logprobs:
-            response.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
-            response.has_logprob = True
+            token.logprob.CopyFrom(logprob_to_proto(first.logprobs[0]))
+            token.has_logprob = True
         if not push or finished:
             self.runtime.async_engine.post(lambda e: e.release(rid))
-            response.transfer.status = "skipped"
-            return response
-        response.transfer.CopyFrom(await self._push(rid, request.destination))
-        return response
+            yield pb.PrefillEvent(first_token=token)
+            yield pb.PrefillEvent(transfer=pb.TransferOutcome(status="skipped"))
+            return
+        try:
+            # The coordinator opens Decode on this token while the KV is pushed below; the
+            # decode replica waits for the push it is about to get.
+            yield pb.PrefillEvent(first_token=token)
+        except BaseException:  # the call ended (client gone) before the push began
+            self.runtime.async_engine.post(lambda e: e.release(rid))
+            raise
+        yield pb.PrefillEvent(transfer=await self._push(rid, request.destination))
 
     async def _push(self, rid: str, dest: pb.KVDestination) -> pb.TransferOutcome:
         engine = self.runtime.async_engine
@@ -127,10 +143,15 @@ class PrefillService:
             log.warning("KV push of %s failed: %s", rid, exc)
             outcome.status = "failed"
             outcome.error = str(exc)
+            refused = isinstance(exc, ControlPlaneError) and exc.code in _REFUSALS
+            if not refused:
+                # The decode replica may be waiting on a receive it will never get (or one
+                # that never started): tell it, so its Decode call prefills locally now.
+                self._abort_receive(dest.control_address, rid, f"push failed: {exc}")
         except asyncio.CancelledError:
             # The coordinator gave up (client gone): the decode replica must not wait out
             # the deadline with blocks reserved for KV that will never come.
-            self._abort_receive(dest.control_address, rid)
+            self._abort_receive(dest.control_address, rid, "prefill cancelled")
             raise
         finally:
             if not released:
@@ -138,12 +159,12 @@ class PrefillService:
         outcome.seconds = time.perf_counter() - start
         return outcome
 
-    def _abort_receive(self, control_address: str, rid: str) -> None:
+    def _abort_receive(self, control_address: str, rid: str, reason: str) -> None:
         client = self._client(control_address)
 
         async def abort() -> None:
             with contextlib.suppress(ControlPlaneError):
-                await client.abort(rid, "prefill cancelled")
+                await client.abort(rid, reason)
 
         task = asyncio.get_running_loop().create_task(abort())
         self._background.add(task)

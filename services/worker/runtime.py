@@ -1,5 +1,5 @@
 """Everything one worker process owns: the engine on its thread, the KV pool, the transfer
-agent, and KV that arrived from a prefill replica but whose Decode call has not come yet."""
+agent, and KV on its way from a prefill replica to its Decode call (``KVArrivals``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import queue
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
+from services.decode.arrivals import PARKED_KV_TTL_S, KVArrivals
 from services.kvtransfer.factory import create_backend, create_pool
 from services.kvtransfer.interface import TransferBackend
 from shared.config.schema import DeploymentConfig, ModelDeployment
@@ -26,18 +26,10 @@ from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# KV pushed here is kept this long for its Decode call; then its blocks go back.
-PARKED_KV_TTL_S = 30.0
 # A cancelled request id is remembered this long, so pieces of it that arrive late (KV pushed
 # after the coordinator's Abort, a Decode call racing it) are refused instead of served.
 CANCELLED_TTL_S = 60.0
 CANCELLED_MAX = 4096
-
-
-@dataclass
-class ParkedKV:
-    table: BlockTable
-    expires_at: float
 
 
 class CancelledRequests:
@@ -138,7 +130,7 @@ class WorkerRuntime:
             self.transfer_kind, self.worker_id, **options
         )
         self.transfer.register_pool(pool)
-        self.parked: dict[str, ParkedKV] = {}
+        self.arrivals = KVArrivals(self.free_blocks)
         self.cancelled = CancelledRequests()
         self.faults = worker.fault_injection
         if self.faults.active:
@@ -153,45 +145,30 @@ class WorkerRuntime:
         self.async_engine.start()
 
     async def stop(self) -> None:
-        for request_id in list(self.parked):
-            self.drop_parked(request_id)
+        self.arrivals.close()
         self.async_engine.stop()
         self.transfer.close()
 
-    def park(self, request_id: str, table: BlockTable) -> None:
-        if request_id in self.cancelled:  # the KV landed after the request was aborted
-            self.async_engine.post(lambda e: e.free_reserved(table))
-            return
-        self.parked[request_id] = ParkedKV(table, time.monotonic() + PARKED_KV_TTL_S)
+    def free_blocks(self, table: BlockTable) -> None:
+        """Gives blocks reserved for pushed KV back (thread-safe: on the engine thread)."""
+        self.async_engine.post(lambda e: e.free_reserved(table))
 
     def cancel(self, request_id: str) -> None:
         """Stop the request here whatever stage it is in; later pieces of it are refused."""
         self.cancelled.add(request_id)
         self.async_engine.abort(request_id)
-        self.drop_parked(request_id)
+        self.arrivals.cancel(request_id)
 
     async def delay_first_token(self) -> None:
         """Fault injection (test only): stall before a request's first token."""
         if self.faults.first_token_delay_ms:
             await asyncio.sleep(self.faults.first_token_delay_s)
 
-    def take_parked(self, request_id: str) -> BlockTable | None:
-        parked = self.parked.pop(request_id, None)
-        return parked.table if parked else None
-
-    def drop_parked(self, request_id: str) -> None:
-        parked = self.parked.pop(request_id, None)
-        if parked is not None:
-            self.async_engine.post(lambda e: e.free_reserved(parked.table))
-
     async def expire_parked_forever(self) -> None:
         """KV whose Decode call never came (coordinator died, client left) goes back."""
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for request_id, parked in list(self.parked.items()):
-                if parked.expires_at < now:
-                    log.warning(
-                        "dropping KV of %s: no Decode call within %ss", request_id, PARKED_KV_TTL_S
-                    )
-                    self.drop_parked(request_id)
+            for request_id in self.arrivals.expire():
+                log.warning(
+                    "dropping KV of %s: no Decode call within %ss", request_id, PARKED_KV_TTL_S
+                )

@@ -10,6 +10,7 @@ import signal
 
 import grpc
 
+from services.decode.arrivals import Stage
 from services.decode.service import DecodeService, DecodeTransferControl
 from services.kvtransfer.control import add_control_servicer
 from services.prefill.service import PrefillService
@@ -48,11 +49,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no prefill role"
             )
         with self.telemetry.spans.prefill(request, context.invocation_metadata()) as trace:
-            response = await self.prefill_service.prefill(request, context)
-            trace.record(response)
-        if response.transfer.status not in ("", "skipped"):
-            self.telemetry.metrics.observe_push(response.transfer.backend, response.transfer.status)
-        return response
+            # aclosing: a call cancelled while a message is on its way closes the service's
+            # generator now (it releases the request's blocks), not when it is collected.
+            events = self.prefill_service.prefill(request, context)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if event.HasField("first_token"):
+                        trace.record_first_token(event.first_token)
+                    else:
+                        trace.record_transfer(event.transfer)
+                        if event.transfer.status not in ("", "skipped"):
+                            self.telemetry.metrics.observe_push(
+                                event.transfer.backend, event.transfer.status
+                            )
+                    yield event
 
     async def Decode(self, request, context):
         if self.decode_service is None:
@@ -81,7 +91,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "steps": rt.async_engine.steps,
             "load": rt.engine.load(),
             "prefix_cache": vars(blocks.stats),
-            "parked_kv": len(rt.parked),
+            "parked_kv": rt.arrivals.num_parked,
+            "kv_receiving": rt.arrivals.count(Stage.RECEIVING),
             "speculative": rt.engine.spec_stats(),
         }
         return pb.StatsResponse(json=json.dumps(stats, default=str))

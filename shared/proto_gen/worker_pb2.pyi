@@ -102,8 +102,8 @@ class TransferOutcome(_message.Message):
     num_blocks: int
     def __init__(self, status: _Optional[str] = ..., error: _Optional[str] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
-class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "logprob", "has_logprob", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "prefill_ms", "finished", "finish_reason", "transfer", "replica")
+class PrefillFirstToken(_message.Message):
+    __slots__ = ("first_token", "logprob", "has_logprob", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "prefill_ms", "finished", "finish_reason", "replica")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -114,7 +114,6 @@ class PrefillResponse(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprob: TokenLogprob
@@ -126,22 +125,31 @@ class PrefillResponse(_message.Message):
     prefill_ms: float
     finished: bool
     finish_reason: str
-    transfer: TransferOutcome
     replica: str
-    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferOutcome, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "transfer")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    first_token: PrefillFirstToken
+    transfer: TransferOutcome
+    def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferOutcome, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("spec", "kv_transferred", "first_token")
+    __slots__ = ("spec", "kv_transferred", "first_token", "kv_deadline_s")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     spec: GenerateSpec
     kv_transferred: bool
     first_token: int
-    def __init__(self, spec: _Optional[_Union[GenerateSpec, _Mapping]] = ..., kv_transferred: _Optional[bool] = ..., first_token: _Optional[int] = ...) -> None: ...
+    kv_deadline_s: float
+    def __init__(self, spec: _Optional[_Union[GenerateSpec, _Mapping]] = ..., kv_transferred: _Optional[bool] = ..., first_token: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "prompt_logprobs", "kv_wait_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +160,7 @@ class DecodeChunk(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     token_time_ms: _containers.RepeatedScalarFieldContainer[float]
@@ -162,7 +171,8 @@ class DecodeChunk(_message.Message):
     num_output_tokens: int
     local_prefill: bool
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_time_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    kv_wait_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_time_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., kv_wait_ms: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -34,10 +34,10 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/splitserve.worker.v1.Worker/Prefill',
                 request_serializer=worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=worker__pb2.PrefillResponse.FromString,
+                response_deserializer=worker__pb2.PrefillEvent.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/splitserve.worker.v1.Worker/Decode',
@@ -86,10 +86,10 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=worker__pb2.PrefillRequest.FromString,
-                    response_serializer=worker__pb2.PrefillResponse.SerializeToString,
+                    response_serializer=worker__pb2.PrefillEvent.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -128,12 +128,12 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/splitserve.worker.v1.Worker/Prefill',
             worker__pb2.PrefillRequest.SerializeToString,
-            worker__pb2.PrefillResponse.FromString,
+            worker__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,7 @@ TRANSFER_BLOCKS = "splitserve.transfer.blocks"
 TRANSFER_STATUS = "splitserve.transfer.status"
 TRANSFER_SECONDS = "splitserve.transfer.seconds"
 TRANSFER_ERROR = "splitserve.transfer.error"
+KV_WAIT_MS = "splitserve.decode.kv_wait_ms"
 ACCEPTED_DRAFT_TOKENS = "splitserve.spec.accepted_draft_tokens"
 FALLBACK_ATTEMPTS = "splitserve.fallback_attempts"
 MIGRATIONS = "splitserve.migrations"
@@ -86,6 +87,7 @@ SPAN_COORDINATOR_QUEUE = "splitserve.coordinator.queue"
 SPAN_CHUNK = "splitserve.prefill.chunk"
 SPAN_ADMISSION = "splitserve.decode.admission"
 SPAN_DECODE_STEPS = "splitserve.decode.steps"
+SPAN_KV_WAIT = "splitserve.decode.kv_wait"  # a Decode call waiting for KV still in flight
 SPAN_TRANSFER = "splitserve.kv_transfer"
 
 # Span event names.

@@ -53,22 +53,30 @@ class RpcSpan:
         self._ended = False
         self._tokens = 0
 
-    def record_prefill(self, resp) -> None:
-        """A PrefillResponse: cached tokens and the KV transfer it ran."""
+    def record_first_token(self, first) -> None:
+        """A PrefillFirstToken: the prompt's tokens, cached ones, and when the token came."""
         if not self.span.is_recording():
             return
-        t = resp.transfer
         self.span.set_attributes(
             {
-                A.USAGE_INPUT_TOKENS: resp.num_prompt_tokens,
-                A.CACHED_TOKENS: resp.num_cached_tokens,
+                A.USAGE_INPUT_TOKENS: first.num_prompt_tokens,
+                A.CACHED_TOKENS: first.num_cached_tokens,
+            }
+        )
+        self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
+
+    def record_transfer(self, t) -> None:
+        """The TransferOutcome that ends a Prefill stream."""
+        if not self.span.is_recording():
+            return
+        self.span.set_attributes(
+            {
                 A.TRANSFER_STATUS: t.status,
                 A.TRANSFER_BACKEND: t.backend,
                 A.TRANSFER_BYTES: t.nbytes,
                 A.TRANSFER_SECONDS: t.seconds,
             }
         )
-        self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
 
     def record_chunk(self, num_tokens: int, finished: bool, output_tokens: int) -> None:
         """One DecodeChunk: the first is marked; the last sets the totals and ends the span."""

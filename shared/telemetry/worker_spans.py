@@ -128,40 +128,44 @@ class PrefillTrace(_CallTrace):
     def __init__(self, owner: WorkerTracing, request: pb.PrefillRequest, metadata):
         super().__init__(owner, request.spec, metadata)
 
-    def record(self, response: pb.PrefillResponse) -> None:
-        """The outcome: tokens, and the KV transfer (its span ends now: the push was last)."""
+    def record_first_token(self, first: pb.PrefillFirstToken) -> None:
+        """The first token, as it leaves for the coordinator (the push starts after)."""
         if not self.recording:
             return
-        now = time.time_ns()
-        cached = response.num_cached_tokens
+        cached = first.num_cached_tokens
         self.span.set_attributes(
             {
                 A.CACHED_TOKENS: cached,
-                A.COMPUTED_TOKENS: max(0, response.num_prompt_tokens - cached),
+                A.COMPUTED_TOKENS: max(0, first.num_prompt_tokens - cached),
                 A.USAGE_OUTPUT_TOKENS: 1,
-                A.RESPONSE_FINISH_REASONS: [response.finish_reason] if response.finished else [],
+                A.RESPONSE_FINISH_REASONS: [first.finish_reason] if first.finished else [],
             }
         )
-        t = response.transfer
-        if t.status and t.status != "skipped":
-            attributes = {
-                A.TRANSFER_BACKEND: t.backend,
-                A.TRANSFER_BYTES: t.nbytes,
-                A.TRANSFER_BLOCKS: t.num_blocks,
-                A.TRANSFER_STATUS: t.status,
-                A.TRANSFER_SECONDS: t.seconds,
-            }
-            self.span.set_attributes(attributes)
-            span = self.owner.tracer.start_span(
-                A.SPAN_TRANSFER,
-                context=trace.set_span_in_context(self.span),
-                start_time=now - int(t.seconds * 1e9),
-                attributes=attributes,
-            )
-            if t.status != "done":
-                span.set_attribute(A.TRANSFER_ERROR, t.error)
-                span.set_status(Status(StatusCode.ERROR, f"KV transfer {t.status}: {t.error}"))
-            span.end(end_time=now)
+        self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
+
+    def record_transfer(self, t: pb.TransferOutcome) -> None:
+        """The KV push's outcome: its span ends now (the push was the call's last part)."""
+        if not self.recording or not t.status or t.status == "skipped":
+            return
+        now = time.time_ns()
+        attributes = {
+            A.TRANSFER_BACKEND: t.backend,
+            A.TRANSFER_BYTES: t.nbytes,
+            A.TRANSFER_BLOCKS: t.num_blocks,
+            A.TRANSFER_STATUS: t.status,
+            A.TRANSFER_SECONDS: t.seconds,
+        }
+        self.span.set_attributes(attributes)
+        span = self.owner.tracer.start_span(
+            A.SPAN_TRANSFER,
+            context=trace.set_span_in_context(self.span),
+            start_time=now - int(t.seconds * 1e9),
+            attributes=attributes,
+        )
+        if t.status != "done":
+            span.set_attribute(A.TRANSFER_ERROR, t.error)
+            span.set_status(Status(StatusCode.ERROR, f"KV transfer {t.status}: {t.error}"))
+        span.end(end_time=now)
 
     def _engine_spans(self, timeline: RequestTimeline) -> None:
         self._prefill_spans(timeline)
@@ -175,6 +179,7 @@ class DecodeTrace(_CallTrace):
         super().__init__(owner, request.spec, metadata)
         self.local_prefill = False
         self.chunks_seen = 0
+        self.kv_wait_ns = 0
         if self.recording:
             self.span.set_attribute(A.KV_TRANSFERRED, request.kv_transferred)
 
@@ -184,6 +189,9 @@ class DecodeTrace(_CallTrace):
         self.chunks_seen += 1
         if self.chunks_seen == 1:
             self.local_prefill = chunk.local_prefill
+            self.kv_wait_ns = int(chunk.kv_wait_ms * 1e6)
+            if chunk.kv_wait_ms:
+                self.span.set_attribute(A.KV_WAIT_MS, chunk.kv_wait_ms)
             self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
         if chunk.finished:
             self.span.set_attributes(
@@ -197,11 +205,16 @@ class DecodeTrace(_CallTrace):
             self.span.add_event(A.EVENT_STREAM_END, timestamp=time.time_ns())
 
     def _engine_spans(self, timeline: RequestTimeline) -> None:
+        admitted_ns = timeline.watched_ns
+        if self.kv_wait_ns:
+            # The call came while the KV was still on its way and waited for it first.
+            admitted_ns += self.kv_wait_ns
+            self._child(A.SPAN_KV_WAIT, timeline.watched_ns, admitted_ns, {})
         if self.local_prefill or timeline.chunks:
             self._prefill_spans(timeline)
         elif timeline.first_step_ns is not None:
             # KV arrived from a prefill replica: admission is the wait to join the batch.
-            self._child(A.SPAN_ADMISSION, timeline.watched_ns, timeline.first_step_ns, {})
+            self._child(A.SPAN_ADMISSION, admitted_ns, timeline.first_step_ns, {})
         steps: dict[str, int | float] = {A.DECODE_STEPS: timeline.decode_steps}
         if timeline.mean_decode_batch is not None:
             steps[A.DECODE_MEAN_BATCH] = round(timeline.mean_decode_batch, 2)

@@ -4,6 +4,8 @@ engine's single-process greedy output."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -75,7 +77,8 @@ def test_sdk_chat_greedy_equals_single_process(client, real_model, real_tokenize
 
 
 def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokenizer):
-    messages = [{"role": "user", "content": QUESTION}]
+    # Not QUESTION: the decode replica holding that conversation would prefill it itself.
+    messages = [{"role": "user", "content": "Name three rivers in Europe, in one short sentence."}]
     expected, n_tokens = expected_greedy(real_model, real_tokenizer, messages, 24)
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL_ID,
@@ -85,10 +88,12 @@ def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokeni
         stream=True,
         stream_options={"include_usage": True},
     )
-    text, usage, reasons = "", None, []
+    text, usage, reasons, metadata = "", None, [], []
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+        if chunk.to_dict().get("metadata"):
+            metadata.append(chunk.to_dict()["metadata"])
         for choice in chunk.choices:
             text += choice.delta.content or ""
             if choice.finish_reason:
@@ -96,6 +101,10 @@ def test_sdk_streaming_matches_and_reports_usage(client, real_model, real_tokeni
     assert text == expected
     assert usage is not None and usage.completion_tokens == n_tokens
     assert reasons and reasons[-1] in ("stop", "length")
+    # The first token left before the KV push was over; the push's outcome comes at the end.
+    assert "->" in metadata[-1]["replica"]  # prefill->decode
+    assert "transfer" not in metadata[0]
+    assert json.loads(metadata[-1]["transfer"])["status"] == "done"
 
 
 def test_second_turn_reports_cached_tokens(client):

@@ -164,7 +164,12 @@ def test_one_trace_across_three_processes(stack, receiver):
         slack = 2_000_000  # 2 ms: spans from different processes, one clock
         assert parent.start_ns - slack <= child.start_ns <= child.end_ns <= parent.end_ns + slack
     assert chunks and sum(c.attributes["splitserve.prefill.chunk_tokens"] for c in chunks) > 0
-    assert decode_call.start_ns >= prefill_call.end_ns - 2_000_000
+    # Decode is opened on the prefill's streamed first token (the KV push goes on meanwhile),
+    # which the prefill replica sent as soon as it had sampled it.
+    (first_token,) = [e for e in prefill_call.events if e.name == "splitserve.first_token"]
+    (sampled,) = [e for e in prefill.events if e.name == "splitserve.first_token"]
+    assert sampled.time_ns <= first_token.time_ns + 2_000_000
+    assert decode_call.start_ns >= first_token.time_ns - 2_000_000
 
     usage = body["usage"]
     a = root.attributes

@@ -54,7 +54,7 @@ class DecodeControl(KvTransferControlServicer):
         self.finished: list[tuple[str, TransferState]] = []
         self._rng = random.Random(7)
 
-    def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
+    async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
         allocation = self.blocks.allocate(tokens(num_blocks, self._rng))
         if allocation is None:
             raise BlocksUnavailable(
@@ -86,8 +86,22 @@ def make_backends(kind: str) -> tuple[TransferBackend, TransferBackend]:
     )
 
 
+class GatedControl(DecodeControl):
+    """Reserving blocks waits for `gate`, as a trip to a busy engine thread does."""
+
+    def __init__(self, backend: TransferBackend, **kwargs):
+        super().__init__(backend, **kwargs)
+        self.gate = asyncio.Event()
+        self.allocating = 0
+
+    async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
+        self.allocating += 1
+        await self.gate.wait()
+        return await super().allocate_blocks(request_id, num_blocks)
+
+
 class Harness:
-    def __init__(self, kind: str, grace_s: float = 0.2):
+    def __init__(self, kind: str, grace_s: float = 0.2, control=DecodeControl):
         self.prefill, decode = make_backends(kind)
         self.prefill_pool = KVPool(LAYOUT, NUM_BLOCKS)
         raw = byte_view(self.prefill_pool.tensor)
@@ -95,7 +109,7 @@ class Harness:
         self.prefill.register_pool(self.prefill_pool)
         self.decode_pool = KVPool(LAYOUT, NUM_BLOCKS)
         decode.register_pool(self.decode_pool)
-        self.servicer = DecodeControl(decode, grace_s=grace_s)
+        self.servicer = control(decode, grace_s=grace_s)
         self.prefill_blocks = BlockManager(NUM_BLOCKS, LAYOUT.block_size)
         self.prefill_released: list[TransferState] = []
         self._rng = random.Random(3)
@@ -245,6 +259,27 @@ def test_abort_and_sender_failure_free_decode_blocks():
             with pytest.raises(ControlPlaneError) as info:
                 await h.client.transfer_done("never", TransferState.DONE)
             assert info.value.code is grpc.StatusCode.NOT_FOUND
+            h.servicer.blocks.check_integrity()
+
+    asyncio.run(scenario())
+
+
+def test_a_duplicate_prepare_while_blocks_are_reserved_is_refused():
+    async def scenario():
+        async with Harness("fake", control=GatedControl) as h:
+            first = asyncio.create_task(h.client.prepare_receive("dup", 2, h.prefill.metadata, 5.0))
+            for _ in range(500):
+                if h.servicer.allocating:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(ControlPlaneError) as info:
+                await h.client.prepare_receive("dup", 2, h.prefill.metadata, 5.0)
+            assert info.value.code is grpc.StatusCode.ALREADY_EXISTS
+            h.servicer.gate.set()
+            assert len((await first).descriptors.blocks) == 2
+            assert h.servicer.allocating == 1  # the duplicate never reserved anything
+            assert await h.client.abort("dup") is True
+            assert h.servicer.blocks.num_free_blocks == NUM_BLOCKS
             h.servicer.blocks.check_integrity()
 
     asyncio.run(scenario())

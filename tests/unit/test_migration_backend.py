@@ -103,11 +103,19 @@ class Fleet:
             await replica.runtime.stop()
 
 
-async def start_fleet(config: DeploymentConfig, tokenizer, *, max_migrations: int = 2) -> Fleet:
+async def start_fleet(
+    config: DeploymentConfig,
+    tokenizer,
+    *,
+    max_migrations: int = 2,
+    transfer_deadline_s: float = 5.0,
+) -> Fleet:
     registry = WorkerRegistry(config, {})
     model = config.model(MODEL)
     info = ModelInfo(id=MODEL, context_length=1024, tokenizer=tokenizer)
-    backend = GrpcBackend(registry, [info], transfer_deadline_s=5.0, max_migrations=max_migrations)
+    backend = GrpcBackend(
+        registry, [info], transfer_deadline_s=transfer_deadline_s, max_migrations=max_migrations
+    )
     fleet = Fleet(config, registry, backend)
     for role in ("prefill", "decode", "both"):
         for index in range(getattr(model.pools, role)):

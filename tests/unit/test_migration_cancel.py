@@ -123,7 +123,7 @@ def test_abort_before_the_kv_arrives_refuses_it(tiny_folder, real_tokenizer):  #
                 sampling=params_to_proto(req.params),
             )
             async with grpc.aio.insecure_channel(prefill.info.address) as channel:
-                resp = await pb_grpc.WorkerStub(channel).Prefill(
+                call = pb_grpc.WorkerStub(channel).Prefill(
                     pb.PrefillRequest(
                         spec=spec,
                         destination=pb.KVDestination(
@@ -133,13 +133,15 @@ def test_abort_before_the_kv_arrives_refuses_it(tiny_folder, real_tokenizer):  #
                         ),
                     )
                 )
-            return resp, start, await settled(fleet, start)
+                events = [event async for event in call]
+            return events, start, await settled(fleet, start)
         finally:
             await fleet.close()
 
-    resp, start, stats = asyncio.run(main())
-    assert resp.transfer.status == "failed"
-    assert "cancelled" in resp.transfer.error
+    events, start, stats = asyncio.run(main())
+    assert [e.WhichOneof("event") for e in events] == ["first_token", "transfer"]
+    assert events[1].transfer.status == "failed"
+    assert "cancelled" in events[1].transfer.error
     assert_settled(stats, start)
 
 

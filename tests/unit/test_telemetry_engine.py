@@ -133,10 +133,12 @@ def test_prefill_spans_from_the_engine_timeline(setup):
         transfer = pb.TransferOutcome(
             status="done", nbytes=4096, seconds=0.002, backend="shm", num_blocks=3
         )
-        call.record(pb.PrefillResponse(num_prompt_tokens=40, transfer=transfer))
+        call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
+        call.record_transfer(transfer)
     parent.end()
     got = _spans(exporter, tracing)
     (server,) = got["splitserve.prefill"]
+    (sampled,) = [e for e in server.events if e.name == "splitserve.first_token"]
     assert server.parent.span_id == parent.get_span_context().span_id
     assert server.kind == otel_trace.SpanKind.SERVER
     assert server.attributes["splitserve.tier"] == "flex"
@@ -157,6 +159,7 @@ def test_prefill_spans_from_the_engine_timeline(setup):
     assert all(server.start_time <= c.start_time <= c.end_time <= server.end_time for c in chunks)
     (transfer_span,) = got["splitserve.kv_transfer"]
     assert transfer_span.attributes["splitserve.transfer.backend"] == "shm"
+    assert sampled.timestamp <= transfer_span.end_time  # the token left before the push ended
     assert transfer_span.end_time - transfer_span.start_time == pytest.approx(2e6, abs=1e3)
 
 
@@ -165,7 +168,8 @@ def test_failed_transfer_is_an_error_span(setup):
     spec = pb.GenerateSpec(request_id="r2", prompt_token_ids=PROMPT)
     with spans.prefill(pb.PrefillRequest(spec=spec), ()) as call:
         failed = pb.TransferOutcome(status="failed", error="no room", backend="tcp", seconds=0.1)
-        call.record(pb.PrefillResponse(num_prompt_tokens=40, transfer=failed))
+        call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
+        call.record_transfer(failed)
     (span,) = _spans(exporter, tracing)["splitserve.kv_transfer"]
     assert span.status.status_code == otel_trace.StatusCode.ERROR
     assert "no room" in span.status.description
@@ -205,6 +209,27 @@ def test_decode_admission_when_kv_arrived(setup):
     (server,) = got["splitserve.decode"]
     assert admission.parent.span_id == server.context.span_id
     assert server.attributes["splitserve.kv_transferred"] is True
+
+
+def test_decode_call_waiting_for_kv_in_flight_has_its_own_span(setup):
+    engine, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="d3", prompt_token_ids=PROMPT)
+    with spans.decode(pb.DecodeRequest(spec=spec, kv_transferred=True), ()) as call:
+        table = engine.reserve_blocks(len(PROMPT))
+        engine.add_prefilled("d3", PROMPT, 9, table, SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_work:
+            engine.step()
+        call.observe(pb.DecodeChunk(token_ids=[1], kv_wait_ms=3.0))
+        call.observe(pb.DecodeChunk(token_ids=[2], finished=True, num_output_tokens=2))
+    got = _spans(exporter, tracing)
+    (server,) = got["splitserve.decode"]
+    (wait,) = got["splitserve.decode.kv_wait"]
+    (admission,) = got["splitserve.decode.admission"]
+    assert wait.parent.span_id == server.context.span_id
+    assert wait.start_time >= server.start_time
+    assert wait.end_time - wait.start_time == 3_000_000
+    assert admission.start_time == wait.end_time  # joining the batch starts once the KV is in
+    assert server.attributes["splitserve.decode.kv_wait_ms"] == 3.0
 
 
 def test_errors_and_cancellation(setup):
