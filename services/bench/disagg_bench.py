@@ -20,13 +20,13 @@ from services.bench.load import (
     timing_samples,
 )
 from services.launcher import start_local_stack
-from services.worker.convert import params_to_proto
 from shared.config.schema import parse_config
-from shared.model.loader import DEFAULT_MODEL_ID, default_model_path
+from shared.modelfile.default import DEFAULT_MODEL_ID, default_model_path
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.sampling.params import SamplingParams
 from shared.tokenizer import Tokenizer
+from shared.wire.convert import params_to_proto
 
 
 def _config(mode: str, weights: str) -> dict:

@@ -16,7 +16,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_setup import load_serving_model
 from shared.model.llama import LlamaModel
-from shared.model.loader import default_model_path
+from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
 
 CONTEXT = 512

@@ -40,7 +40,7 @@ from services.bench.load import RequestTiming, filler_text, percentile, stream_c
 from services.bench.span_cost import span_cost_ms
 from services.launcher import LocalStack, start_local_stack
 from shared.config.schema import parse_config
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.telemetry.file_export import read_span_file
 from shared.telemetry.receiver import ReceiverProcess
 

@@ -22,7 +22,8 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.model.llama import LlamaModel
-from shared.model.loader import default_model_path, read_checkpoint
+from shared.model.loader import read_checkpoint
+from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
 from shared.tokenizer import Tokenizer
 

@@ -28,7 +28,7 @@ from services.bench.load import (
 )
 from services.launcher import start_local_stack
 from shared.config.schema import parse_config
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 
 SLOWDOWN_TARGET = 1.3
 PRIORITY_TTFT_GOAL_MS = 1000.0  # the 135M model on a few CPU cores, not a GPU

@@ -39,7 +39,7 @@ from services.launcher.processes import ProcessGroup
 from services.launcher.readiness import wait_until_ready
 from services.launcher.stack import LocalStack, resolve_config, service_specs
 from shared.config.schema import dump_config, parse_config
-from shared.model.loader import DEFAULT_MODEL_ID, default_model_path
+from shared.modelfile.default import DEFAULT_MODEL_ID, default_model_path
 from shared.telemetry import attributes as A
 from shared.telemetry.file_export import read_span_file
 from shared.telemetry.propagation import TRACE_ID_HEADER

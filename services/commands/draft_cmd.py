@@ -79,8 +79,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from shared.model.config import ModelFileError
-    from shared.model.loader import default_model_path, read_checkpoint
+    from shared.model.loader import read_checkpoint
+    from shared.modelfile.config import ModelFileError
+    from shared.modelfile.default import default_model_path
     from shared.speculative.draft_data import DEFAULT_PROMPTS, PromptFileError, load_prompts
     from shared.speculative.draft_file import trained_draft_path
     from shared.speculative.draft_train import TrainConfig, train_draft

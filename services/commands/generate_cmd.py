@@ -25,8 +25,8 @@ def add_command(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine, RequestError
-    from shared.model.config import ModelFileError
-    from shared.model.loader import default_model_path
+    from shared.modelfile.config import ModelFileError
+    from shared.modelfile.default import default_model_path
     from shared.sampling.params import SamplingParamError, SamplingParams
     from shared.tokenizer import Tokenizer
 

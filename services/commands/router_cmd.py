@@ -41,8 +41,8 @@ def add_bench(kinds) -> None:
 
 
 def run_router_bench(args: argparse.Namespace) -> int:
-    from services.bench import router_bench
     from services.bench.report import print_table, write_json
+    from services.tuner import router_bench
     from services.tuner.cli_run import load_profile_or_default
     from services.tuner.trace import load_trace
     from shared.config.schema import ConfigError, load_config
@@ -70,7 +70,7 @@ def run_router_bench(args: argparse.Namespace) -> int:
         router_bench.table_rows(result),
     )
     if args.live:
-        from services.bench import router_live
+        from services.tuner import router_live
 
         result["live"] = router_live.run(trace, config, args.live_requests)
         print_table("live (local stack)", router_live.table_rows(result["live"]))

@@ -107,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_id = ids[0]
     if model_id not in ids:
         return fail(f"--model-id {model_id!r} is not in {args.config} (models: {', '.join(ids)})")
-    from services.worker.server import run_worker
+    from services.worker_server.server import run_worker
 
     if args.host is not None:
         config = config.model_copy(update={"worker_host": args.host})

@@ -10,7 +10,7 @@ from services.coordinator.backend import GenerationChunk
 from services.coordinator.plan import Plan
 from services.coordinator.pricing import response_cost
 from shared.config.policy import Price
-from shared.engine.output import TokenLogprob
+from shared.sampling.logprob import TokenLogprob
 
 
 @dataclass

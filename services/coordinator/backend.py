@@ -2,8 +2,9 @@
 
 The OpenAI surface never talks to workers itself: it hands a tokenized, validated
 `GenerationRequest` to a `GenerationBackend` and relays the `GenerationChunk`s it yields. The
-production backend speaks gRPC to prefill/decode worker pools; `EngineBackend` runs one engine
-in-process (single-process runs and tests).
+production backend speaks gRPC to prefill/decode worker pools; `EngineBackend`
+(`services.inprocess`, outside this package: it imports the engine) runs one engine in-process
+(single-process runs and tests).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from shared.engine.output import TokenLogprob
+from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
 

@@ -30,13 +30,13 @@ from services.coordinator.migration import DEFAULT_MAX_MIGRATIONS, ReplicaLost, 
 from services.coordinator.pair_attempt import PairAttempt, Piece
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
-from services.worker.convert import params_to_proto
-from shared.engine.output import TextTracker
 from shared.proto_gen import worker_pb2 as pb
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
 from shared.telemetry.rpc_spans import describe_route
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.tokenizer.text_tracker import TextTracker
+from shared.wire.convert import params_to_proto
 
 log = logging.getLogger(__name__)
 

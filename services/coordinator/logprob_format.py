@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.engine.output import TokenLogprob
+from shared.sampling.logprob import TokenLogprob
 from shared.tokenizer.tokenizer import Tokenizer
 
 

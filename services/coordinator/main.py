@@ -22,8 +22,8 @@ from services.coordinator.registry_service import RegistryService
 from services.coordinator.settings import APISettings
 from shared.config.policy import ApiKeyEntry
 from shared.config.schema import ConfigError, DeploymentConfig
-from shared.model.gguf_file import read_gguf_config
-from shared.model.loader import default_model_path
+from shared.modelfile.default import default_model_path
+from shared.modelfile.gguf_meta import read_gguf_config
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry.tracing import Tracing
 from shared.tokenizer import Tokenizer

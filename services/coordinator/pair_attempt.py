@@ -26,11 +26,11 @@ from services.coordinator.piece import Piece
 from services.coordinator.prefill_call import PrefillCall
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision
-from services.worker.convert import logprob_from_proto, prompt_logprobs_from_proto
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.rpc_spans import RpcSpan
+from shared.wire.convert import logprob_from_proto, prompt_logprobs_from_proto
 
 __all__ = ["ABORT_TIMEOUT_S", "PairAttempt", "Piece"]
 

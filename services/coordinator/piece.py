@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine.output import TokenLogprob
+from shared.sampling.logprob import TokenLogprob
 
 
 @dataclass

@@ -26,13 +26,13 @@ from opentelemetry import trace
 from services.coordinator.migration import LOST_CODES, ReplicaLost
 from services.coordinator.piece import Piece
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
-from services.worker.convert import logprob_from_proto, prompt_logprobs_from_proto
 from shared.proto_gen import kvtransfer_pb2 as kv_pb
 from shared.proto_gen import kvtransfer_pb2_grpc as kv_grpc
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.rpc_spans import RpcSpan
+from shared.wire.convert import logprob_from_proto, prompt_logprobs_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from services.coordinator.entitlements import ApiKey, KeyRing
 from shared.config.policy import Price, SavedRouter, TiersConfig, default_prices
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 
 
 @dataclass(frozen=True)

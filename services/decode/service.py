@@ -20,12 +20,12 @@ from services.kvtransfer.control import (
     ReceiveRefused,
 )
 from services.kvtransfer.types import TransferState
-from services.worker.convert import logprob_to_proto, params_from_proto, prompt_logprobs_to_proto
 from services.worker.runtime import WorkerRuntime
 from shared.engine.async_engine import EngineStepError
 from shared.engine.engine import RequestError
 from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.params import SamplingParamError
+from shared.wire.convert import logprob_to_proto, params_from_proto, prompt_logprobs_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -133,7 +133,7 @@ def run_bench(
 
 def _live(report: dict, originals: dict, profile: ReplicaProfile, count: int) -> None:
     from services.tuner.validate import make_slice, run_validation
-    from shared.model.loader import default_model_path
+    from shared.modelfile.default import default_model_path
     from shared.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_gguf(default_model_path()).vocab_size

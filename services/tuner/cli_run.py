@@ -157,7 +157,7 @@ def validate_on_live(
     trace: Trace, profile: ReplicaProfile, length_scale: float, count: int
 ) -> dict:
     from services.tuner.validate import make_slice, run_validation
-    from shared.model.loader import default_model_path
+    from shared.modelfile.default import default_model_path
     from shared.tokenizer import Tokenizer
 
     vocab = Tokenizer.from_gguf(default_model_path()).vocab_size

@@ -209,7 +209,7 @@ def _errors(live: dict, sim: dict) -> dict:
 
 
 def stack_config(weights: str = "auto") -> dict:
-    from shared.model.loader import DEFAULT_MODEL_ID
+    from shared.modelfile.default import DEFAULT_MODEL_ID
 
     return {
         "coordinator": {"port": 0, "registry_port": 0, "max_tokens_limit": 4096},
@@ -233,7 +233,7 @@ def run_validation(
     errors) and with the profile as given (`as_profiled`)."""
     from services.launcher import start_local_stack
     from shared.config.schema import parse_config
-    from shared.model.loader import DEFAULT_MODEL_ID
+    from shared.modelfile.default import DEFAULT_MODEL_ID
 
     results = {}
     # The stack serves the weights the profile measured.

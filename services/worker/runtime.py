@@ -21,7 +21,7 @@ from shared.engine.engine import Engine
 from shared.engine.model_setup import load_serving_model
 from shared.kvcache.events import KVEvent
 from shared.kvcache.tables import BlockTable
-from shared.model.loader import default_model_path
+from shared.modelfile.default import default_model_path
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

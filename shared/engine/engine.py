@@ -11,10 +11,11 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.model_setup import load_serving_model
-from shared.engine.output import RequestOutput, TextTracker, TokenLogprob
+from shared.engine.output import RequestOutput
 from shared.engine.runner import ModelRunner, StepResult
 from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from shared.engine.sequence import SeqStatus, Sequence
+from shared.engine.speculator_build import build_speculator
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.disk_tier import DiskTier
 from shared.kvcache.pool import KVPool
@@ -22,12 +23,13 @@ from shared.kvcache.tables import BlockTable
 from shared.kvcache.tiers import HostTier
 from shared.model.llama import LlamaModel
 from shared.sampling.batch import make_generator
+from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParamError, SamplingParams
 from shared.speculative.calibrate import measure_step_costs
-from shared.speculative.loading import build_speculator
 from shared.speculative.proposer import DraftProposer
 from shared.speculative.verify import Verified
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.tokenizer.text_tracker import TextTracker
 from shared.tokenizer.tokenizer import Tokenizer
 
 

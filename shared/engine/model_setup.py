@@ -12,7 +12,8 @@ import os
 
 from shared.model.formats import FormatChoice, choose
 from shared.model.llama import LlamaModel
-from shared.model.loader import default_model_path, read_checkpoint
+from shared.model.loader import read_checkpoint
+from shared.modelfile.default import default_model_path
 from shared.quality.report import model_fingerprint
 from shared.quality.require import eligible_formats, require_gate
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from shared.engine.output import TokenLogprob
 from shared.engine.scheduler import ScheduledSeq
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
 from shared.sampling.batch import SamplingBatch
+from shared.sampling.logprob import TokenLogprob
 from shared.sampling.sampler import SampleOutput, Sampler
 from shared.speculative.proposer import Draft
 from shared.speculative.verify import Verified, VerifyInput, verify

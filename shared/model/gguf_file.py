@@ -14,22 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.model.config import ModelConfig, ModelFileError
-
-SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_TENSOR_TYPES = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-)
+from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.gguf_meta import config_from_reader as _config
+from shared.modelfile.gguf_meta import field_value as _field_value
+from shared.modelfile.gguf_meta import open_gguf as _open
 
 # GGUF tensor names -> our names (per layer `blk.{i}.` prefix).
 _LAYER_NAMES = {
@@ -59,87 +47,12 @@ class Checkpoint:
     metadata: dict[str, object] = field(default_factory=dict)
 
 
-def _field_value(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception:  # older gguf versions lack contents(); fall back to raw parts
-        return f.parts[f.data[0]].tolist()[0] if f.data else None
-
-
-def _require(reader, path: str, key: str):
-    value = _field_value(reader, key)
-    if value is None:
-        raise ModelFileError(path, f"GGUF metadata key '{key}' is missing")
-    return value
-
-
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves)."""
     rows = w.shape[0]
     return (
         w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
     )
-
-
-def _config(reader, path: str) -> ModelConfig:
-    arch = _require(reader, path, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(
-            path,
-            f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-        )
-    for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-            raise ModelFileError(
-                path,
-                f"tensor '{t.name}' has unsupported type {t.tensor_type.name} "
-                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})",
-            )
-    n_heads = int(_require(reader, path, f"{arch}.attention.head_count"))
-    n_kv = int(_field_value(reader, f"{arch}.attention.head_count_kv") or n_heads)
-    hidden = int(_require(reader, path, f"{arch}.embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = _field_value(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        vocab = len(tokens.data) if tokens is not None else embd.shape[-1] if embd else None
-    if vocab is None:
-        raise ModelFileError(path, "cannot tell the vocabulary size")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_require(reader, path, f"{arch}.feed_forward_length")),
-        num_layers=int(_require(reader, path, f"{arch}.block_count")),
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        rope_theta=float(_field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
-        rms_norm_eps=float(_require(reader, path, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position=int(_field_value(reader, f"{arch}.context_length") or 2048),
-        tie_embeddings="output.weight" not in names,
-    )
-
-
-def _open(path: str):
-    import gguf  # imported here: loading HF checkpoints must not need it
-
-    if not os.path.isfile(path):
-        raise ModelFileError(path, "model file does not exist")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
-        raise ModelFileError(
-            path, f"not a readable GGUF file (truncated or corrupt?): {exc}"
-        ) from exc
-
-
-def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """Only the hyper-parameters (tensors stay on disk): for processes that never run it."""
-    path = str(path)
-    return _config(_open(path), path)
 
 
 def read_gguf(path: str | os.PathLike) -> Checkpoint:

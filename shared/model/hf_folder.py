@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from shared.model.config import ModelConfig, ModelFileError
 from shared.model.gguf_file import Checkpoint, expected_tensor_names
+from shared.modelfile.config import ModelConfig, ModelFileError
 
 _HF_LAYER_NAMES = {
     "input_layernorm": "input_norm",

@@ -18,10 +18,10 @@ from kernels.attention_backend import AttentionBackend
 from kernels.attention_metadata import AttentionMetadata
 from kernels.torch_attention import TorchPagedAttention
 from shared.kvcache.pool import KVLayout, KVPool
-from shared.model.config import ModelConfig
 from shared.model.gguf_file import Checkpoint
 from shared.model.linear import Linear, WeightFormat, fuse_q4_1, fuse_rows
 from shared.model.native_step import NativeMatrix, NativeStep
+from shared.modelfile.config import ModelConfig
 
 Matrix = Linear | NativeMatrix  # y = x @ W.T, whichever kernel computes it
 

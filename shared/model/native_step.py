@@ -16,8 +16,8 @@ import torch
 
 from kernels.native import abi
 from kernels.native.build import NativeBuild, load
-from shared.model.config import ModelConfig
 from shared.model.gguf_file import Checkpoint
+from shared.modelfile.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

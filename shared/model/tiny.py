@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from shared.model.config import ModelConfig
 from shared.model.gguf_file import Checkpoint, expected_tensor_names
+from shared.modelfile.config import ModelConfig
 
 TINY_CONFIG = ModelConfig(
     vocab_size=512,

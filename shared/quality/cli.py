@@ -17,11 +17,12 @@ from typing import TextIO
 
 import torch
 
-from shared.model.config import ModelFileError
 from shared.model.gguf_file import Checkpoint
 from shared.model.linear import WEIGHT_FORMATS as TORCH_FORMATS
 from shared.model.llama import LlamaModel
-from shared.model.loader import default_model_path, read_checkpoint
+from shared.model.loader import read_checkpoint
+from shared.modelfile.config import ModelFileError
+from shared.modelfile.default import default_model_path
 from shared.quality.agreement import load_agreement_texts
 from shared.quality.evaluate import (
     BuildEvaluation,

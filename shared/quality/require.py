@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shared.model.formats import SERVING_FORMATS
 from shared.model.linear import WEIGHT_FORMATS
-from shared.model.loader import default_model_path
+from shared.modelfile.default import default_model_path
 from shared.quality.gate import (
     BASELINE_WEIGHTS,
     MAX_PIQA_DELTA_POINTS,

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from shared.model.config import ModelFileError
+from shared.modelfile.config import ModelFileError
 from shared.tokenizer import Tokenizer
 
 

@@ -1,25 +1,6 @@
-"""Sampling: per-request params, batched token selection, and stop strings."""
+"""Sampling: per-request params, batched token selection, stop strings and logprob records.
 
-from shared.sampling.batch import SamplingBatch, make_generator
-from shared.sampling.params import SamplingParamError, SamplingParams
-from shared.sampling.sampler import (
-    SampleOutput,
-    Sampler,
-    TopLogprobs,
-    apply_top_k_top_p_min_p,
-    probabilities,
-)
-from shared.sampling.stop import StopStringMatcher
-
-__all__ = [
-    "SampleOutput",
-    "Sampler",
-    "SamplingBatch",
-    "SamplingParamError",
-    "SamplingParams",
-    "StopStringMatcher",
-    "TopLogprobs",
-    "apply_top_k_top_p_min_p",
-    "make_generator",
-    "probabilities",
-]
+Deliberately empty of imports: `params`, `stop` and `logprob` are torch-free and the
+coordinator uses them, while `batch`, `sampler`, `penalties` and `truncation` are the engine's
+torch code. Import the submodule you need.
+"""

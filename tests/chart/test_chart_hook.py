@@ -20,9 +20,9 @@ KEY = "sk-test-hook-key"
 @pytest.fixture(scope="module")
 def coordinator(real_model, real_tokenizer):
     from services.coordinator.app import create_app
-    from services.coordinator.engine_backend import EngineBackend
     from services.coordinator.server import ServerThread
     from services.coordinator.settings import APISettings
+    from services.inprocess.engine_backend import EngineBackend
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
 

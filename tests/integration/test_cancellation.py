@@ -15,7 +15,7 @@ import pytest
 
 from services.launcher import start_local_stack
 from shared.config.schema import parse_config
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from tests.integration.test_local_stack import stack_config

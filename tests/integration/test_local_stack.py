@@ -14,7 +14,7 @@ from services.launcher import start_local_stack
 from shared.config.schema import parse_config
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.real_model

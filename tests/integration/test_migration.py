@@ -13,7 +13,7 @@ import pytest
 
 from services.launcher import start_local_stack
 from shared.config.schema import parse_config
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from tests.integration.test_local_stack import stack_config
 
 pytestmark = pytest.mark.real_model

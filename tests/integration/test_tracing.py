@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import start_local_stack
 from shared.config.schema import parse_config
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.telemetry.receiver import OtlpReceiver
 from shared.telemetry.records import SpanRecord
 from shared.telemetry.waterfall import render

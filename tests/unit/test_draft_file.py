@@ -107,7 +107,7 @@ def test_draft_path_rule(tmp_path, monkeypatch):
 
 
 def test_shipped_draft_fits_the_bundled_model():
-    from shared.model.loader import default_model_path
+    from shared.modelfile.default import default_model_path
     from shared.tokenizer import Tokenizer
 
     model = default_model_path()

@@ -21,15 +21,15 @@ from services.coordinator.grpc_backend import GrpcBackend
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.decode.service import DecodeTransferControl
 from services.kvtransfer.control import add_control_servicer
-from services.worker.convert import params_to_proto
 from services.worker.runtime import WorkerRuntime
-from services.worker.server import WorkerServicer
+from services.worker_server.server import WorkerServicer
 from shared.config.schema import DeploymentConfig, parse_config
 from shared.model.tiny import tiny_checkpoint, write_hf_folder
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.sampling.params import SamplingParams
 from shared.telemetry.worker_telemetry import WorkerTelemetry
+from shared.wire.convert import params_to_proto
 
 MODEL = "tiny"
 PROMPT = [(i * 37 + 11) % 500 for i in range(40)]

@@ -10,9 +10,9 @@ import time
 
 import grpc
 
-from services.worker.convert import params_to_proto
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.wire.convert import params_to_proto
 from tests.unit.test_migration_backend import (
     Fleet,
     collect,

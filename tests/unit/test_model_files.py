@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.model.config import ModelFileError
 from shared.model.gguf_file import read_gguf
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.model.tiny import tiny_checkpoint, write_hf_folder
+from shared.modelfile.config import ModelFileError
 from tests.reference import dense_logits
 
 

@@ -19,12 +19,12 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.coordinator.app import create_app
-from services.coordinator.engine_backend import EngineBackend
 from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
+from services.inprocess.engine_backend import EngineBackend
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.real_model

@@ -17,12 +17,12 @@ import pytest
 
 from services.coordinator.app import create_app
 from services.coordinator.backend import BackendError, BackendUnavailable, GenerationRequest
-from services.coordinator.engine_backend import EngineBackend
 from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
+from services.inprocess.engine_backend import EngineBackend
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 
 pytestmark = pytest.mark.real_model
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import router_bench
 from services.commands import router_cmd
+from services.tuner import router_bench
 from services.tuner.cli_run import load_profile_or_default
 from services.tuner.trace import load_trace
 

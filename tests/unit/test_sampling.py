@@ -7,17 +7,12 @@ import math
 import pytest
 import torch
 
-from shared.sampling import (
-    Sampler,
-    SamplingBatch,
-    SamplingParamError,
-    SamplingParams,
-    apply_top_k_top_p_min_p,
-    make_generator,
-    probabilities,
-    truncation,
-)
+from shared.sampling import truncation
+from shared.sampling.batch import SamplingBatch, make_generator
+from shared.sampling.params import SamplingParamError, SamplingParams
 from shared.sampling.penalties import apply_penalties
+from shared.sampling.sampler import Sampler, probabilities
+from shared.sampling.truncation import apply_top_k_top_p_min_p
 
 VOCAB = 37  # odd on purpose
 

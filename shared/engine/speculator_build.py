@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 
 from shared.engine.config import EngineConfig
+from shared.engine.speculator import Speculator
 from shared.speculative.proposer import DraftProposer
-from shared.speculative.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _load_draft(
         path = Path(config.draft_path)
     else:
         if model_path is None:
-            from shared.model.loader import default_model_path
+            from shared.modelfile.default import default_model_path
 
             model_path = default_model_path()
         path = Path(draft_path_for(model_path))

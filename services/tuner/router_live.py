@@ -131,7 +131,7 @@ def run(
 ) -> dict:
     from services.launcher import start_local_stack
     from services.tuner.cli_run import load_profile_or_default
-    from shared.model.loader import default_model_path
+    from shared.modelfile.default import default_model_path
     from shared.tokenizer import Tokenizer
 
     profile = profile or load_profile_or_default(None)[0]

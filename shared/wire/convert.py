@@ -1,11 +1,11 @@
-"""Proto messages <-> engine types, in one place for both sides of the wire."""
+"""worker.proto messages <-> sampling params and logprob records, for both sides of the wire."""
 
 from __future__ import annotations
 
 import math
 
-from shared.engine.output import TokenLogprob
 from shared.proto_gen import worker_pb2 as pb
+from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
 
 

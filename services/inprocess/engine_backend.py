@@ -27,7 +27,7 @@ from services.coordinator.backend import (
 )
 from shared.engine.engine import Engine, RequestError
 from shared.engine.output import RequestOutput
-from shared.model.loader import DEFAULT_MODEL_ID
+from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
