@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from collections.abc import Sequence
 
 # Before anything loads torch (and with it OpenMP): by default OpenMP's threads spin for a
 # while after each parallel op, and on a small box that spinning takes the very core the
@@ -15,42 +17,46 @@ if "OMP_WAIT_POLICY" not in os.environ:
     # Marks the setting as ours, so a peer we benchmark runs with the user's own environment.
     os.environ["SPLITSERVE_OMP_WAIT_POLICY"] = "set"
 
-from services.commands import bench_cmd, generate_cmd
+# Command -> (module defining its parser, the function that adds it). Only the module of the
+# command being run is imported (every one for `--help` or an unknown command): `eval`'s
+# module loads torch at import, and processes such as `splitserve serve coordinator` must
+# start without it.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("services.commands.generate_cmd", "add_command"),
+    "bench": ("services.commands.bench_cmd", "add_command"),
+    "eval": ("shared.quality.cli", "add_eval_command"),
+    "up": ("services.commands.serve_cmd", "add_commands"),
+    "serve": ("services.commands.serve_cmd", "add_commands"),
+    "planner": ("services.commands.planner_cmd", "add_commands"),
+    "trace": ("services.commands.trace_cmd", "add_commands"),
+    "profile": ("services.commands.tune_cmd", "add_commands"),
+    "tune": ("services.commands.tune_cmd", "add_commands"),
+    "draft": ("services.commands.draft_cmd", "add_command"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv` (default: this process's arguments)."""
     parser = argparse.ArgumentParser(
         prog="splitserve",
         description="Disaggregated prefill/decode LLM serving for realtime consumer chat.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    generate_cmd.add_command(sub)
-    bench_cmd.add_command(sub)
-    for module, func in _LATER_COMMANDS:
-        _add_optional(sub, module, func)
+    for module, func in _registrars(sys.argv[1:] if argv is None else argv):
+        getattr(importlib.import_module(module), func)(sub)
     return parser
 
 
-# Commands whose modules are imported lazily so `splitserve generate` starts fast.
-_LATER_COMMANDS: list[tuple[str, str]] = [
-    ("shared.quality.cli", "add_eval_command"),
-    ("services.commands.serve_cmd", "add_commands"),
-    ("services.commands.planner_cmd", "add_commands"),
-    ("services.commands.trace_cmd", "add_commands"),
-    ("services.commands.tune_cmd", "add_commands"),
-    ("services.commands.draft_cmd", "add_command"),
-]
-
-
-def _add_optional(sub, module: str, func: str) -> None:
-    import importlib
-
-    getattr(importlib.import_module(module), func)(sub)
+def _registrars(argv: Sequence[str]) -> list[tuple[str, str]]:
+    # The top-level parser takes no option but -h, so a command, if any, is the first word.
+    if argv and argv[0] in COMMANDS:
+        return [COMMANDS[argv[0]]]
+    return list(dict.fromkeys(COMMANDS.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

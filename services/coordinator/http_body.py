@@ -1,13 +1,24 @@
-"""Reading a request body: size limit, strict UTF-8, JSON object — each refusal in API shape."""
+"""Reading a request body: size limit, strict UTF-8, JSON object — each refusal in API shape.
+
+Hostile bodies are refused here, before anything walks them: a body nested deeper than
+MAX_JSON_DEPTH, or so deep that the parser itself gives up, would otherwise reach code that
+recurses over it (validation, the chat template's `tojson`, span attributes) and fail there
+as a 500, and a 500 closes the keep-alive connection it arrived on.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.requests import Request
 
 from services.coordinator.errors import APIError, bad_request
+
+# Arrays/objects inside one another, counting the body itself as 1. OpenAI's deepest legitimate
+# shape, a tool's JSON schema at its 10-level limit, is about 25 levels of request JSON.
+MAX_JSON_DEPTH = 64
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -29,13 +40,17 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     if not text.strip():
         raise bad_request("The request body is empty; expected a JSON object.", code="invalid_json")
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as exc:  # nested past the interpreter's recursion limit
+        raise _too_deep() from exc
     except (json.JSONDecodeError, ValueError) as exc:
         raise bad_request(
             f"The request body is not valid JSON: {exc}.", code="invalid_json"
         ) from exc
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise _too_deep()
     if "\\ud" in text.lower() and _has_lone_surrogate(data):
         raise bad_request(
             "The request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
@@ -53,6 +68,35 @@ def _has_lone_surrogate(data: Any) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def _deeper_than(data: Any, limit: int) -> bool:
+    """Whether arrays/objects nest more than `limit` levels; level by level, no recursion."""
+    level = [data]
+    for _ in range(limit):
+        deeper: list[Any] = []
+        for node in level:
+            values = node.values() if isinstance(node, dict) else node
+            deeper += [v for v in values if isinstance(v, dict | list)]
+        if not deeper:
+            return False
+        level = deeper
+    return True
+
+
+def _too_deep() -> APIError:
+    return bad_request(
+        f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep.",
+        code="invalid_json",
+    )
+
+
+def _finite_float(text: str) -> float:
+    # 1e999 parses to inf, which no parameter takes and JSON cannot send back.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:32]} is out of range")
+    return value
 
 
 def _reject_constant(name: str) -> Any:

@@ -2,10 +2,10 @@
 
 Every `import`/`from … import` in `services/`, `shared/` and `kernels/` counts, wherever it
 sits: module level, inside a function (a lazy import still runs in the process that calls it)
-or under `if TYPE_CHECKING:` (a layering rule that type hints may break is no rule). Relative
-imports are resolved against the importing module's package. Importing `a.b.c` also imports
-the packages `a` and `a.b` (their `__init__`), so every module has an edge to its parent
-package.
+or under `if TYPE_CHECKING:` (a layering rule that type hints may break is no rule), and so
+does `importlib.import_module("literal")`. Relative imports are resolved against the
+importing module's package. Importing `a.b.c` also imports the packages `a` and `a.b` (their
+`__init__`), so every module has an edge to its parent package.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("services", "shared", "kernels")
-# Generated protobuf stubs only import google.protobuf/grpc and each other.
 SKIP_DIRS = ("__pycache__",)
 
 
@@ -91,7 +90,8 @@ def build(root: Path = ROOT) -> ImportGraph:
     graph = ImportGraph(modules)
     for name, path in modules.items():
         rel = str(path.relative_to(root))
-        edges = [Edge(name, t, rel, line) for t, line in _imports(name, path, modules)]
+        found = dict.fromkeys(_imports(name, path, modules))  # one edge per (target, line)
+        edges = [Edge(name, t, rel, line) for t, line in found]
         if "." in name:  # the parent package's __init__ runs first
             edges.append(Edge(name, name.rsplit(".", 1)[0], rel, 0))
         graph.edges[name] = edges
@@ -113,6 +113,18 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[
                 candidate = f"{base}.{alias.name}"
                 target = candidate if candidate in modules else _resolve(base, modules)
                 yield target, node.lineno
+        elif _is_import_module_call(node):
+            yield _resolve(node.args[0].value, modules), node.lineno
+
+
+def _is_import_module_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call) or len(node.args) != 1:
+        return False
+    arg, func = node.args[0], node.func
+    named = (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+    )
+    return named and isinstance(arg, ast.Constant) and isinstance(arg.value, str)
 
 
 def _absolute(importer: str, is_package: bool, module: str | None, level: int) -> str:
