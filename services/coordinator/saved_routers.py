@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
-
-import celpy
+from typing import TYPE_CHECKING, Any
 
 from services.coordinator.errors import APIError
 from shared.config.policy import SavedRouter, compile_cel
+
+if TYPE_CHECKING:
+    import celpy
 
 PREFIX = "router/"
 
@@ -70,22 +71,10 @@ class SavedRouters:
         router = compiled.config
         timeout = router.fallback.ttft_timeout if router.fallback else None
         reasoning: list[str] = []
-        activation = {"request": celpy.json_to_cel(request)}
-        for index, (condition, runner) in enumerate(
-            zip(router.conditions, compiled.conditions, strict=True)
-        ):
-            try:
-                matched = bool(runner.evaluate(activation))
-            except celpy.CELEvalError as exc:
-                # A field this request lacks (no metadata.plan, say) means "no match".
-                reasoning.append(
-                    f"router {name}: condition {index} `{condition.when}` "
-                    f"not evaluable ({exc.args[0] if exc.args else exc})"
-                )
-                continue
-            if matched:
-                reasoning.append(f"router {name}: condition {index} `{condition.when}` matched")
-                return RouteChoice(list(condition.models), timeout, name, reasoning)
+        if router.conditions:
+            matched = _first_match(name, compiled, request, reasoning)
+            if matched is not None:
+                return RouteChoice(matched, timeout, name, reasoning)
         if router.variants:
             user = request.get("user")
             key = user or uuid.uuid4().hex
@@ -103,6 +92,31 @@ class SavedRouters:
             return RouteChoice(list(chosen.models), timeout, name, reasoning)
         reasoning.append(f"router {name}: no condition matched; default models")
         return RouteChoice(list(router.models), timeout, name, reasoning)
+
+
+def _first_match(
+    name: str, compiled: _Compiled, request: dict[str, Any], reasoning: list[str]
+) -> list[str] | None:
+    """The models of the first condition that holds for `request`, or None."""
+    import celpy  # compile_cel imported it when the config loaded (see shared.config.policy)
+
+    activation = {"request": celpy.json_to_cel(request)}
+    for index, (condition, runner) in enumerate(
+        zip(compiled.config.conditions, compiled.conditions, strict=True)
+    ):
+        try:
+            matched = bool(runner.evaluate(activation))
+        except celpy.CELEvalError as exc:
+            # A field this request lacks (no metadata.plan, say) means "no match".
+            reasoning.append(
+                f"router {name}: condition {index} `{condition.when}` "
+                f"not evaluable ({exc.args[0] if exc.args else exc})"
+            )
+            continue
+        if matched:
+            reasoning.append(f"router {name}: condition {index} `{condition.when}` matched")
+            return list(condition.models)
+    return None
 
 
 def cel_view(body: Any) -> dict[str, Any]:

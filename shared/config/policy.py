@@ -7,10 +7,12 @@ router, the expression and the error, rather than failing on the first request t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import celpy
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import celpy
 
 TierName = Literal["priority", "default", "flex", "batch"]
 ALL_TIERS: tuple[TierName, ...] = ("priority", "default", "flex", "batch")
@@ -133,6 +135,10 @@ class SavedRouter(_Strict):
 
 
 def compile_cel(expression: str) -> celpy.Runner:
+    # Imported here: cel-python (with lark and pendulum) is a tenth of the coordinator's
+    # start-up, and a deployment without saved-router conditions never needs it.
+    import celpy
+
     env = celpy.Environment()
     return env.program(env.compile(expression))
 

@@ -18,7 +18,6 @@ from opentelemetry.sdk.trace.sampling import AlwaysRecordSampler, ParentBasedTra
 from prometheus_client import CollectorRegistry
 
 from shared.config.schema import TelemetryConfig
-from shared.telemetry.file_export import JsonLinesSpanExporter
 from shared.telemetry.processor import BoundedSpanProcessor, SpanExportCollector
 from shared.telemetry.reconnect import OTLP_GRPC_CHANNEL_OPTIONS, ReconnectingSpanExporter
 
@@ -97,7 +96,11 @@ class Tracing:
 
 
 def create_exporter(config: TelemetryConfig) -> SpanExporter:
+    # Each exporter is imported only when chosen: most processes run with tracing off, and
+    # these imports (protobuf span records, OTLP clients) are a real share of start-up time.
     if config.exporter == "file":
+        from shared.telemetry.file_export import JsonLinesSpanExporter
+
         return JsonLinesSpanExporter(config.file)
     if config.exporter == "otlp_grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
