@@ -15,9 +15,7 @@ import numpy as np
 import torch
 
 from shared.modelfile.config import ModelConfig, ModelFileError
-from shared.modelfile.gguf_meta import config_from_reader as _config
-from shared.modelfile.gguf_meta import field_value as _field_value
-from shared.modelfile.gguf_meta import open_gguf as _open
+from shared.modelfile.gguf_meta import config_from_header, read_header
 
 # GGUF tensor names -> our names (per layer `blk.{i}.` prefix).
 _LAYER_NAMES = {
@@ -59,8 +57,9 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
     import gguf
 
     path = str(path)
+    header = read_header(path)  # checks the whole file is there before anything maps it
+    config = config_from_header(header)
     reader = _open(path)
-    config = _config(reader, path)
     n_heads, n_kv = config.num_heads, config.num_kv_heads
     tensors: dict[str, torch.Tensor] = {}
     q4_1: dict[str, np.ndarray] = {}
@@ -89,7 +88,7 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
                 blocks = unpermute_rope_rows(torch.from_numpy(blocks.copy()), heads).numpy()
             (q4_1 if type_name == "Q4_1" else q8_0)[name] = blocks
     _check_complete(path, config, tensors)
-    meta = {k: _field_value(reader, k) for k in ("general.name", "general.file_type")}
+    meta = {k: header.get(k) for k in ("general.name", "general.file_type")}
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -98,6 +97,17 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
         q8_0_blocks=q8_0,
         metadata=meta,
     )
+
+
+def _open(path: str):
+    import gguf  # imported here: loading HF checkpoints must not need it
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
+        raise ModelFileError(
+            path, f"not a readable GGUF file (truncated or corrupt?): {exc}"
+        ) from exc
 
 
 def _our_name(gguf_name: str) -> str | None:

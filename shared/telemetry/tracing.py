@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter
-from opentelemetry.sdk.trace.sampling import AlwaysRecordSampler, ParentBasedTraceIdRatio
-from prometheus_client import CollectorRegistry
 
 from shared.config.schema import TelemetryConfig
-from shared.telemetry.processor import BoundedSpanProcessor, SpanExportCollector
-from shared.telemetry.reconnect import OTLP_GRPC_CHANNEL_OPTIONS, ReconnectingSpanExporter
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from prometheus_client import CollectorRegistry
+
+    from shared.telemetry.processor import BoundedSpanProcessor
+
+# The OpenTelemetry SDK (and the exporters) are imported only by a process that traces: with
+# tracing off (the default) the API's no-op tracer is all a service needs, and the SDK's
+# import (resources, psutil, the span processor) is a visible share of start-up time.
 
 DEFAULT_OTLP_GRPC_ENDPOINT = "localhost:4317"
 DEFAULT_OTLP_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
@@ -67,6 +72,12 @@ class Tracing:
         capture_content: bool = False,
         max_queue_size: int = 2048,
     ) -> Tracing:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.sampling import AlwaysRecordSampler, ParentBasedTraceIdRatio
+
+        from shared.telemetry.processor import BoundedSpanProcessor
+
         attributes = {"service.name": service, "process.pid": os.getpid()}
         if instance:
             attributes["service.instance.id"] = instance
@@ -83,6 +94,8 @@ class Tracing:
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Expose the span export counters (drops included) on `registry`."""
         if self.processor is not None:
+            from shared.telemetry.processor import SpanExportCollector
+
             registry.register(SpanExportCollector(self.processor))
 
     def force_flush(self, timeout_s: float = 5.0) -> bool:
@@ -96,14 +109,15 @@ class Tracing:
 
 
 def create_exporter(config: TelemetryConfig) -> SpanExporter:
-    # Each exporter is imported only when chosen: most processes run with tracing off, and
-    # these imports (protobuf span records, OTLP clients) are a real share of start-up time.
+    # Each exporter is imported only when chosen (see the SDK note at the top).
     if config.exporter == "file":
         from shared.telemetry.file_export import JsonLinesSpanExporter
 
         return JsonLinesSpanExporter(config.file)
     if config.exporter == "otlp_grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        from shared.telemetry.reconnect import OTLP_GRPC_CHANNEL_OPTIONS, ReconnectingSpanExporter
 
         endpoint = config.endpoint or DEFAULT_OTLP_GRPC_ENDPOINT
         return ReconnectingSpanExporter(

@@ -14,13 +14,7 @@ from enum import IntEnum
 from functools import cached_property
 from pathlib import Path
 
-import gguf
-
-_GGUF_MAGIC = b"GGUF"
-
-# The reader is a third-party parser over an untrusted file: a truncated or corrupt file makes
-# numpy raise one of these from deep inside it, with a message that never names the file.
-_READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError)
+from shared.modelfile.gguf_header import GGUF_MAGIC, GGUFFormatError, read_gguf_header
 
 
 class TokenType(IntEnum):
@@ -57,11 +51,11 @@ class GGUFVocab:
     def vocab_size(self) -> int:
         return len(self.tokens)
 
-    @property
+    @cached_property  # a scan of the whole vocabulary, asked for several times at start-up
     def control_token_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.token_types) if t == TokenType.CONTROL)
 
-    @property
+    @cached_property
     def user_defined_token_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.token_types) if t == TokenType.USER_DEFINED)
 
@@ -101,14 +95,12 @@ def read_gguf_vocab(path: str | os.PathLike[str]) -> GGUFVocab:
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
-        if f.read(4) != _GGUF_MAGIC:
+        if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
     try:
-        reader = gguf.GGUFReader(path)
-        fields = {name: field.contents() for name, field in reader.fields.items()}
-    except _READER_ERRORS as e:  # UnicodeDecodeError (a bad string) is a ValueError too
+        fields = read_gguf_header(path).fields
+    except GGUFFormatError as e:
         raise ValueError(f"could not read GGUF file {path} (truncated or corrupt?): {e}") from e
-    del reader  # releases the memory map of the weights, which the tokenizer never needs
 
     model = fields.get("tokenizer.ggml.model")
     tokens = fields.get("tokenizer.ggml.tokens")
