@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from itertools import accumulate
 from typing import Any
 
 from starlette.requests import Request
 
 from services.coordinator.errors import APIError, bad_request
 
-# Arrays/objects inside one another, counting the body itself as 1. OpenAI's deepest legitimate
-# shape, a tool's JSON schema at its 10-level limit, is about 25 levels of request JSON.
+# Arrays/objects inside one another, counting the body itself as 1. Legitimate requests nest far
+# less: a tool whose parameter schema is ten objects deep is about 25 levels of request JSON.
 MAX_JSON_DEPTH = 64
 
 
@@ -49,7 +51,7 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         ) from exc
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    if _deeper_than(data, MAX_JSON_DEPTH):
+    if nested_deeper_than(text, MAX_JSON_DEPTH):
         raise _too_deep()
     if "\\ud" in text.lower() and _has_lone_surrogate(data):
         raise bad_request(
@@ -70,18 +72,34 @@ def _has_lone_surrogate(data: Any) -> bool:
     return False
 
 
-def _deeper_than(data: Any, limit: int) -> bool:
-    """Whether arrays/objects nest more than `limit` levels; level by level, no recursion."""
-    level = [data]
-    for _ in range(limit):
-        deeper: list[Any] = []
-        for node in level:
-            values = node.values() if isinstance(node, dict) else node
-            deeper += [v for v in values if isinstance(v, dict | list)]
-        if not deeper:
-            return False
-        level = deeper
-    return True
+# For measuring nesting on the text of a body already parsed (so valid JSON): escapes out,
+# then string literals out, then only the brackets are left.
+_ESCAPE = re.compile(r"\\.", re.DOTALL)
+_STRING = re.compile(r'"[^"]*"')
+
+
+class _OnlyBrackets(dict):
+    """A str.translate table: [ and { become +, ] and } become -, everything else goes."""
+
+    def __missing__(self, key: int) -> None:
+        return None
+
+
+_BRACKETS = _OnlyBrackets({ord("["): "+", ord("{"): "+", ord("]"): "-", ord("}"): "-"})
+_STEP = {"+": 1, "-": -1}
+
+
+def nested_deeper_than(text: str, limit: int) -> bool:
+    """Whether arrays/objects in `text` (valid JSON) nest more than `limit` levels.
+
+    On the text, not the parsed value: a walk over the parsed value costs Python work per
+    container, up to twice the parse itself for a 4 MiB body of small arrays, while these are
+    C-speed passes (about 0.1 s for the worst 4 MiB body, nothing for an ordinary one).
+    """
+    if text.count("[") + text.count("{") <= limit:  # too few brackets to nest that deep
+        return False
+    brackets = _STRING.sub("", _ESCAPE.sub("", text)).translate(_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > limit
 
 
 def _too_deep() -> APIError:

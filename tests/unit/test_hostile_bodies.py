@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from services.coordinator.app import create_app
-from services.coordinator.http_body import MAX_JSON_DEPTH
+from services.coordinator.http_body import MAX_JSON_DEPTH, nested_deeper_than
 from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
@@ -107,3 +107,24 @@ def test_nesting_within_the_limit_is_served(client):
         headers={"Content-Type": "application/json"},
     )
     assert accepted.status_code == 200, accepted.text[:500]
+
+
+def test_brackets_inside_strings_do_not_count(client):
+    # Text full of brackets (code, say), with the escapes that could fool a scanner.
+    content = '[[[[{{{{ \\" ]]]] \\\\ "[[' * 40
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    accepted = client.post("/v1/chat/completions", json=body)
+    assert accepted.status_code == 200, accepted.text[:500]
+
+
+@pytest.mark.parametrize(
+    ("text", "deeper"),
+    [
+        ('{"a": [[1]]}', False),
+        ('{"a": "[[[[[[", "b": "\\\\", "c": "\\"[[[["}', False),
+        ('{"a": ' + "[" * 5 + "]" * 5 + "}", True),
+        ('{"a": "\\u005b\\u005b\\u005b\\u005b\\u005b\\u005b"}', False),
+    ],
+)
+def test_depth_is_measured_outside_strings(text, deeper):
+    assert nested_deeper_than(text, 4) is deeper
