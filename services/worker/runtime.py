@@ -11,9 +11,9 @@ import socket
 import time
 from collections import OrderedDict
 
-from services.decode.arrivals import PARKED_KV_TTL_S, KVArrivals
 from services.kvtransfer.factory import create_backend, create_pool
 from services.kvtransfer.interface import TransferBackend
+from services.worker.arrivals import PARKED_KV_TTL_S, KVArrivals
 from shared.config.schema import DeploymentConfig, ModelDeployment
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.config import EngineConfig

@@ -10,10 +10,10 @@ import signal
 
 import grpc
 
-from services.decode.arrivals import Stage
 from services.decode.service import DecodeService, DecodeTransferControl
 from services.kvtransfer.control import add_control_servicer
 from services.prefill.service import PrefillService
+from services.worker.arrivals import Stage
 from services.worker.registration import RegistrationRefused, RegistryClient
 from services.worker.runtime import WorkerRuntime
 from shared.config.schema import DeploymentConfig

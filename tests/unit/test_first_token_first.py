@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.coordinator.fallback import FallbackBackend, FallbackPolicy
-from services.decode.arrivals import Stage
 from services.decode.service import DecodeService
 from services.kvtransfer.control_client import KvTransferControlClient
 from services.kvtransfer.types import TransferError, TransferState
+from services.worker.arrivals import Stage
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.proto_gen import worker_pb2 as pb

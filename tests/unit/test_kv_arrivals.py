@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.decode.arrivals import KVArrivals, Stage
+from services.worker.arrivals import KVArrivals, Stage
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.tables import BlockTable
 

@@ -18,7 +18,9 @@ through exactly one of: the Decode call taking it, or `free` — and a receiving
 once the control plane says the receive is over, so nothing still writes into freed blocks.
 
 Only the worker's event loop touches this (gRPC handlers, the control plane's watchers and
-the expiry loop all run there), so there are no locks.
+the expiry loop all run there), so there are no locks. It lives beside the runtime every role
+shares (which owns it), not in services.decode: the prefill role imports the runtime, and the
+two roles never import each other.
 """
 
 from __future__ import annotations
