@@ -45,7 +45,6 @@ import httpx
 import shared
 from services.bench.load import (
     RequestTiming,
-    chat_token,
     stream_timing,
     summarize,
     timing_samples,
@@ -240,7 +239,7 @@ class ReplyText:
         content = (choice.get("delta") or {}).get("content")
         if content:
             self.parts.append(content)
-        return chat_token(choice)
+        return bool(content)  # chat_token's test, and a null delta is no token either
 
     @property
     def text(self) -> str:

@@ -45,11 +45,15 @@ def test_prompts_are_deterministic_sized_and_start_apart():
     assert len(first.concurrency8) == 32
     for text in first.first_turn:  # cut at the last word within the budget
         assert 300 - 1 <= _words(text) <= 300
-    # Before the shuffle of first sentences wraps, no two messages start alike.
-    made = [*first.warmup, *first.short, *first.first_turn, *first.conversation[0]]
-    assert len(made) < len(sentences)
-    starts = [next(s for s in sentences if m.startswith(s)) for m in made]
-    assert len(set(starts)) == len(starts)
+
+    # Every message starts at the next sentence of one shuffle (or within it, when the
+    # budget is shorter than that sentence): no two start alike until the shuffle wraps.
+    maker = sb.PromptMaker(sentences, _words, seed=0)
+    made = [maker.message(n) for n in (5, 40, 300) * 10]
+    assert sorted(maker.order) == list(range(len(sentences)))
+    for text, index in zip(made, maker.order, strict=False):
+        first_sentence = sentences[index]
+        assert text.startswith(first_sentence) or first_sentence.startswith(text)
 
 
 def test_prompt_sizes_in_the_models_tokens(real_tokenizer):
