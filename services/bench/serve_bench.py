@@ -23,10 +23,10 @@ prefilling the same tokens.
 Per server and workload: TTFT and ITL p50/p99, output tokens/s (output tokens over the time
 the server spent on the workload's requests: the summed request times when sequential, the
 wall clock when concurrent) and errors; with a peer, ours / peer ratios beside them (below 1
-is better for latency, above 1 for throughput). Output tokens are the streamed chunks that
-carry text, as the shared client counts them: one token per chunk on both servers unless
-speculative decoding is configured. After the run: the resident memory of every process of
-each server and the KV capacity each has, in tokens.
+is better for latency, above 1 for throughput). Output tokens are each server's own usage
+count (a streamed chunk may carry several tokens, or one that is no text); ITL is the gap
+between chunks that carry text, as a client sees it. After the run: the resident memory of
+every process of each server and the KV capacity each has, in tokens.
 """
 
 from __future__ import annotations
@@ -209,6 +209,8 @@ def chat_body(
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        # The server's own token count on the last chunk (both servers send it when asked).
+        "stream_options": {"include_usage": True},
     }
     if ignore_eos:  # only where asked: a natural reply ends at EOS on both servers
         body["ignore_eos"] = True
@@ -284,56 +286,63 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
     return str(models[0]["id"])
 
 
-async def drive(base_url: str, prompts: Prompts, spec: ServeBenchSpec) -> dict[str, Any]:
+async def drive(
+    base_url: str,
+    prompts: Prompts,
+    spec: ServeBenchSpec,
+    client: httpx.AsyncClient | None = None,
+) -> dict[str, Any]:
     """Every workload on one server, in order. Returns its model and a WorkloadRun each."""
+    if client is None:
+        limits = httpx.Limits(max_connections=spec.concurrency + 4)
+        async with httpx.AsyncClient(limits=limits) as own:
+            return await drive(base_url, prompts, spec, own)
     url = f"{base_url}/chat/completions"
-    limits = httpx.Limits(max_connections=spec.concurrency + 4)
-    async with httpx.AsyncClient(limits=limits) as client:
-        model = await served_model(client, base_url)
+    model = await served_model(client, base_url)
 
-        async def send(
-            messages: list[dict[str, str]], kind: str, max_tokens: int, ignore_eos: bool = False
-        ) -> tuple[RequestTiming, str]:
-            reply = ReplyText()
-            body = chat_body(model, messages, max_tokens, ignore_eos)
-            timing = await stream_timing(client, url, body, kind, is_token=reply)
-            return timing, reply.text
+    async def send(
+        messages: list[dict[str, str]], kind: str, max_tokens: int, ignore_eos: bool = False
+    ) -> tuple[RequestTiming, str]:
+        reply = ReplyText()
+        body = chat_body(model, messages, max_tokens, ignore_eos)
+        timing = await stream_timing(client, url, body, kind, is_token=reply)
+        return timing, reply.text
 
-        async def sequential(users: list[str], kind: str) -> WorkloadRun:
-            timings = [
-                (await send([{"role": "user", "content": u}], kind, spec.reply_tokens))[0]
-                for u in users
-            ]
-            return WorkloadRun(timings, sum(t.e2e_ms for t in timings) / 1e3)
+    async def sequential(users: list[str], kind: str) -> WorkloadRun:
+        timings = [
+            (await send([{"role": "user", "content": u}], kind, spec.reply_tokens))[0]
+            for u in users
+        ]
+        return WorkloadRun(timings, sum(t.e2e_ms for t in timings) / 1e3)
 
-        # First-touch costs (page faults in the weights, thread pools) are not what we measure.
-        await sequential(prompts.warmup, "warmup")
-        runs = {
-            "short": await sequential(prompts.short, "short"),
-            "first_turn": await sequential(prompts.first_turn, "first_turn"),
-        }
+    # First-touch costs (page faults in the weights, thread pools) are not what we measure.
+    await sequential(prompts.warmup, "warmup")
+    runs = {
+        "short": await sequential(prompts.short, "short"),
+        "first_turn": await sequential(prompts.first_turn, "first_turn"),
+    }
 
-        async def turn(messages: list[dict[str, str]]) -> tuple[RequestTiming, str]:
-            return await send(messages, "conversation", spec.reply_tokens)
+    async def turn(messages: list[dict[str, str]]) -> tuple[RequestTiming, str]:
+        return await send(messages, "conversation", spec.reply_tokens)
 
-        runs["conversation"] = conversation_workload(
-            [await run_conversation(turn, users) for users in prompts.conversation]
-        )
+    runs["conversation"] = conversation_workload(
+        [await run_conversation(turn, users) for users in prompts.conversation]
+    )
 
-        queue = list(reversed(prompts.concurrency8))
-        done: list[RequestTiming] = []
+    queue = list(reversed(prompts.concurrency8))
+    done: list[RequestTiming] = []
 
-        async def worker() -> None:  # closed loop: the next prompt as soon as one ends
-            while queue:
-                message = [{"role": "user", "content": queue.pop()}]
-                timing, _ = await send(
-                    message, "concurrency8", spec.concurrent_reply_tokens, ignore_eos=True
-                )
-                done.append(timing)
+    async def worker() -> None:  # closed loop: the next prompt as soon as one ends
+        while queue:
+            message = [{"role": "user", "content": queue.pop()}]
+            timing, _ = await send(
+                message, "concurrency8", spec.concurrent_reply_tokens, ignore_eos=True
+            )
+            done.append(timing)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
-        runs["concurrency8"] = WorkloadRun(done, time.perf_counter() - start)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+    runs["concurrency8"] = WorkloadRun(done, time.perf_counter() - start)
     return {"model": model, "runs": runs}
 
 
@@ -344,6 +353,11 @@ def workload_stats(run: WorkloadRun) -> dict[str, Any]:
     """The reported keys of one server on one workload, from its recorded timings."""
     s = summarize(run.timings)
     errors = [t.error for t in run.timings if t.error]
+    ok = [t for t in run.timings if t.error is None]
+    # The server's usage count where it sent one; else the text chunks the client saw.
+    output_tokens = sum(
+        t.tokens if t.completion_tokens is None else t.completion_tokens for t in ok
+    )
     return {
         "requests": s["requests"] + run.unreported_errors,
         "errors": s["errors"] + run.unreported_errors,
@@ -351,9 +365,10 @@ def workload_stats(run: WorkloadRun) -> dict[str, Any]:
         "ttft_p99_ms": s["ttft_p99_ms"],
         "itl_p50_ms": s["itl_p50_ms"],
         "itl_p99_ms": s["itl_p99_ms"],
-        "output_tokens": s["tokens"],
+        "output_tokens": output_tokens,
+        "requests_without_usage": sum(1 for t in ok if t.completion_tokens is None),
         "busy_s": run.busy_s,
-        "output_tok_s": s["tokens"] / run.busy_s if run.busy_s > 0 else None,
+        "output_tok_s": output_tokens / run.busy_s if run.busy_s > 0 else None,
         "error_examples": sorted(set(errors))[:3],
     }
 

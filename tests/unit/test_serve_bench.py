@@ -123,6 +123,39 @@ def test_reply_text_keeps_the_streamed_content():
     assert reply.text == "Hello"
 
 
+def test_every_workload_through_our_api(real_tokenizer):
+    """`drive` against the real coordinator app (scripted backend): each workload sends what
+    it says, the server's usage counts are read, a conversation resends the replies."""
+    from services.coordinator.settings import APISettings
+    from tests.unit.coordinator_client import run_with_client
+    from tests.unit.scripted_backend import Script, ScriptedTestBackend
+
+    backend = ScriptedTestBackend(real_tokenizer, {"m": Script(num_tokens=3)})
+    prompts = sb.make_prompts(sb.SMALL, _words, sb.corpus_sentences())
+
+    async def work(client):
+        return await sb.drive("/v1", prompts, sb.SMALL, client)
+
+    served = run_with_client(backend, APISettings(model_id="m"), work)
+    assert served["model"] == "m"
+    result = sb.assemble(sb.SMALL, served, None, {})
+    expected = {"short": 3, "first_turn": 2, "conversation": 2, "concurrency8": 8}
+    for workload, requests in expected.items():
+        stats = result["ours"][workload]
+        assert (stats["requests"], stats["errors"]) == (requests, 0), workload
+        assert stats["output_tokens"] == 3 * requests and stats["requests_without_usage"] == 0
+    calls = backend.calls
+    assert len(calls) == 2 + 3 + 2 + 3 + 8  # warm-up, short, first turns, 3 turns, concurrent
+    assert all(c.request.params.temperature == 0.0 for c in calls)
+    assert [c.request.params.ignore_eos for c in calls[-8:]] == [True] * 8
+    assert not any(c.request.params.ignore_eos for c in calls[:-8])
+    assert [c.request.params.max_tokens for c in calls[-9:-7]] == [32, 64]
+    third_turn = real_tokenizer.decode(calls[9].request.prompt_token_ids)
+    assert third_turn.count("t0 t1 t2") == 2 and sb.SYSTEM_PROMPT in third_turn
+    for user in prompts.conversation[0]:
+        assert user in third_turn
+
+
 # -- figures -----------------------------------------------------------------------------
 
 
