@@ -294,7 +294,11 @@ async def drive(
 ) -> dict[str, Any]:
     """Every workload on one server, in order. Returns its model and a WorkloadRun each."""
     if client is None:
-        limits = httpx.Limits(max_connections=spec.concurrency + 4)
+        # A connection per request, for both servers alike: llama-server closes a streamed
+        # response's connection without saying so, and reusing it then failed about one
+        # request in six ("Server disconnected without sending a response"). A loopback
+        # connect costs well under a millisecond of TTFT.
+        limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(limits=limits) as own:
             return await drive(base_url, prompts, spec, own)
     url = f"{base_url}/chat/completions"
