@@ -20,6 +20,9 @@ class RequestTiming:
     tokens: int = 0
     error: str | None = None
     e2e_ms: float = 0.0
+    # The server's own count (`usage.completion_tokens`, sent when the request asked for
+    # stream_options.include_usage): a chunk may carry several tokens, or one that is no text.
+    completion_tokens: int | None = None
 
 
 class StreamError(Exception):
@@ -67,6 +70,9 @@ async def stream_timing(
     last = None
     try:
         async for data in stream_events(client, url, body, timeout_s):
+            usage = data.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                timing.completion_tokens = int(usage["completion_tokens"])
             for choice in data.get("choices", []):
                 if is_token(choice):
                     now = time.perf_counter()

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import urllib.parse
 
-from services.commands.common import WEIGHT_FORMATS, add_model_args
+from services.commands.common import (
+    WEIGHT_FORMATS,
+    add_model_args,
+    fail,
+    positive_float,
+    positive_int,
+)
 
 
 def add_command(sub) -> None:
@@ -35,6 +42,39 @@ def add_command(sub) -> None:
     tra.add_argument("--repeats", type=int, default=3)
     tra.add_argument("--json", default=None)
     tra.set_defaults(handler=run_transfer)
+
+    srv = kinds.add_parser(
+        "serve", help="the local stack beside any OpenAI-compatible server (e.g. llama-server)"
+    )
+    srv.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    srv.add_argument(
+        "--peer", type=_http_url, default=None, metavar="URL", help="e.g. http://127.0.0.1:8088"
+    )
+    srv.add_argument("--peer-pid", type=positive_int, default=None, help="to read its RSS")
+    srv.add_argument(
+        "--peer-kv-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="its KV capacity (default: llama-server's /props n_ctx x slots)",
+    )
+    srv.add_argument(
+        "--requests",
+        type=_request_scale,
+        default="full",
+        metavar="SCALE",
+        help="full (20 short, 10 first turns, 2 conversations, 32 at concurrency 8), small "
+        "(a smoke run) or a factor on full's counts",
+    )
+    srv.add_argument(
+        "--weights", default=None, choices=WEIGHT_FORMATS, help="default: the config's (auto)"
+    )
+    srv.add_argument("--threads", type=positive_int, default=None, help="torch threads per worker")
+    srv.add_argument("--config", default=None, help="stack config YAML (default: built-in)")
+    srv.add_argument(
+        "--plot", default=None, metavar="DIR", help="TTFT and ITL CDFs per workload (PNG)"
+    )
+    srv.set_defaults(handler=run_serve)
 
     for module in _BENCH_MODULES:
         importlib.import_module(module).add_bench(kinds)
@@ -114,3 +154,58 @@ def run_transfer(args: argparse.Namespace) -> int:
     print_table("splitserve bench transfer (GB/s vs memcpy in the same run)", rows)
     save_outputs("transfer", result, args.json, args.plot)
     return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from services.bench import serve_bench
+    from services.bench.report import machine_info, print_table, write_json
+    from shared.config.schema import ConfigError
+
+    if args.peer is None and (args.peer_pid is not None or args.peer_kv_tokens is not None):
+        return fail("--peer-pid and --peer-kv-tokens describe a peer: give --peer URL too")
+    options = serve_bench.ServeBenchOptions(
+        spec=serve_bench.spec_for(args.requests),
+        config_path=args.config,
+        weights=args.weights,
+        threads=args.threads,
+        peer=args.peer,
+        peer_pid=args.peer_pid,
+        peer_kv_tokens=args.peer_kv_tokens,
+    )
+    try:
+        result = serve_bench.run(options)
+    except ConfigError as exc:
+        return fail(str(exc))
+    except serve_bench.PeerUnavailable as exc:
+        return fail(str(exc))
+    result["machine"] = machine_info()
+    peer = f" vs {result['peer']['url']} ({result['peer']['model']})" if "peer" in result else ""
+    print_table(
+        f"splitserve bench serve: ours{peer}; ratio = ours / peer", serve_bench.table_rows(result)
+    )
+    for line in serve_bench.notes(result):
+        print(line)
+    write_json(args.json, result)
+    if args.plot:  # one figure per workload: their latency scales differ too much for one
+        for path in serve_bench.write_figures(result, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _request_scale(text: str) -> str | float:
+    """`--requests`: full, small, or a positive factor on full's request counts."""
+    if text in ("full", "small"):
+        return text
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not full, small or a positive number"
+        ) from None
+
+
+def _http_url(text: str) -> str:
+    parts = urllib.parse.urlparse(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
+    return text
