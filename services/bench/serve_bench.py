@@ -650,9 +650,13 @@ class ServeBenchOptions:
 def stack_config(options: ServeBenchOptions) -> Any:
     """The deployment `splitserve up` would run (or --config's), on free ports: a fixed
     port would collide with a stack already running here."""
+    from services.launcher.stack import available_cpus
+    from services.launcher.topology import local_topology
     from shared.config.schema import load_config
 
     config = load_config(options.config_path)
+    if options.config_path is None:  # the topology `splitserve up` picks for this machine
+        config = local_topology(config, available_cpus()).config
     coordinator = config.coordinator.model_copy(update={"port": 0, "registry_port": 0})
     models = []
     for model in config.models:
@@ -667,7 +671,7 @@ def stack_config(options: ServeBenchOptions) -> Any:
 
 def run(options: ServeBenchOptions) -> dict[str, Any]:
     from services.launcher import start_local_stack
-    from shared.model.loader import default_model_path
+    from shared.modelfile.default import default_model_path
     from shared.tokenizer import Tokenizer
 
     config = stack_config(options)

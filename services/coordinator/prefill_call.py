@@ -157,6 +157,14 @@ class PrefillCall:
         }
         if t.error:
             outcome["error"] = t.error
+        if not self._transfer.done():
+            self._transfer.set_result(outcome)
+        # The server ends its span when its handler returns, just after this last message; the
+        # call's status comes after that, so the client span waits for it (no token waits).
+        try:
+            await self._call.code()
+        except grpc.aio.AioRpcError:
+            pass
         self._settle(outcome)
 
     def _stream_failed(self, reason: str, lost: bool) -> None:
