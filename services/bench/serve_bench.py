@@ -543,7 +543,7 @@ def kv_blocks_from_metrics(text: str) -> int | None:
 def kv_tokens_from_config(kv_cache_bytes: int, block_size: int, model_path: str) -> int:
     """What a worker allocates: whole blocks of the budget (services/worker/runtime.py), each
     holding K and V of every layer in fp32 (the KV dtype for every weight format)."""
-    from shared.model.gguf_file import read_gguf_config
+    from shared.modelfile.gguf_meta import read_gguf_config
 
     c = read_gguf_config(model_path)
     block_bytes = c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * 4

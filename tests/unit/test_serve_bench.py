@@ -257,7 +257,7 @@ def test_kv_capacity_readings(gguf_path):
     import torch
 
     from shared.kvcache.pool import KVLayout
-    from shared.model.gguf_file import read_gguf_config
+    from shared.modelfile.gguf_meta import read_gguf_config
 
     page = (
         "# HELP splitserve_kv_cache_blocks_total KV blocks in the device pool\n"
