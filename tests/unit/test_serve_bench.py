@@ -248,8 +248,13 @@ def test_figures_per_workload(tmp_path):
 
 def test_memory_of_named_processes():
     # A process of our own with no children (the test runner itself may have some).
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"  # interpreter up
         memory = sb.process_memory({"worker": child.pid})
     finally:
         child.kill()
