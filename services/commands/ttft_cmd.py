@@ -11,7 +11,7 @@ def add_bench(kinds) -> None:
     bench = kinds.add_parser(
         "ttft", help="TTFT breakdown of fresh ~300-token prompts on 1 prefill + 1 decode"
     )
-    bench.add_argument("--weights", default="fp32", choices=WEIGHT_FORMATS)
+    bench.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
     bench.add_argument("--requests", type=positive_int, default=30, help="measured requests")
     bench.add_argument("--prompt-tokens", type=positive_int, default=300)
     bench.add_argument("--max-tokens", type=positive_int, default=4)
