@@ -314,7 +314,8 @@ class Engine:
                 outputs[item.seq.request_id] = out
         if result.samples is not None:
             token_ids = result.samples.token_ids.tolist()
-            chosen = result.samples.logprobs.tolist()
+            lps = result.samples.logprobs
+            chosen = lps.tolist() if lps is not None else None  # set whenever a row asked
             top = result.samples.top_logprobs
             top_ids = top.token_ids.tolist() if top is not None else None
             top_lps = top.logprobs.tolist() if top is not None else None
@@ -328,6 +329,7 @@ class Engine:
                         if top_ids
                         else []
                     )
+                    assert chosen is not None
                     logprob = TokenLogprob(token_ids[row], chosen[row], pairs)
                 outputs[seq.request_id] = self._append_token(seq, token_ids[row], logprob)
         return list(outputs.values())
