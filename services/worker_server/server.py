@@ -89,6 +89,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "worker_id": rt.worker_id,
             "role": rt.role,
             "steps": rt.async_engine.steps,
+            "aborted": rt.engine.num_aborted,
             "load": rt.engine.load(),
             "prefix_cache": vars(blocks.stats),
             "parked_kv": rt.arrivals.num_parked,

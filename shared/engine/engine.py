@@ -114,6 +114,9 @@ class Engine:
         self._text: dict[str, TextTracker] = {}
         self._prompt_logprobs: dict[str, list[float | None]] = {}
         self._ids = itertools.count()
+        # Requests stopped before they finished (client gone, migrated, stop string matched
+        # by the coordinator): the figure cancellation tests and operators check.
+        self.num_aborted = 0
         self.stop_token_ids: frozenset[int] = tokenizer.stop_token_ids if tokenizer else frozenset()
         # Called on the engine thread after every non-empty step with (plan, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
@@ -248,6 +251,8 @@ class Engine:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return
+        if not seq.is_finished:  # a finished `keep_kv` prefill being released is no abort
+            self.num_aborted += 1
         self.scheduler.remove(seq)
         if seq.table is not None:  # a finished prefill kept for hand-off
             self.scheduler.release_kv(seq)

@@ -188,3 +188,10 @@ class EngineStateCollector(Collector):
         hits.add_metric([*values, "host"], stats.host_hit_blocks)
         hits.add_metric([*values, "disk"], stats.disk_hit_blocks)
         yield hits
+        aborted = CounterMetricFamily(
+            "splitserve_engine_aborted_requests",
+            "Requests stopped before they finished (client gone, migrated, stop string)",
+            labels=names,
+        )
+        aborted.add_metric(values, self.engine.num_aborted)
+        yield aborted
