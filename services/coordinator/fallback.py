@@ -6,6 +6,9 @@ aborts the request on the workers) and the next model is tried. The last model h
 deadline: there is nothing left to fall back to, so waiting is better than failing. Once a
 token is out the attempt is committed; surviving a replica that dies later is migration's job.
 
+Each attempt's token ids become text here (`with_text`, with that model's tokenizer), so a
+stop string ends the attempt's stream, and with it the request on the workers.
+
 Every chunk passed on carries `attempts` and `reasoning` in its metadata, so the first and
 last chunks of a stream (and a whole response) say which models were tried and why.
 """
@@ -27,6 +30,7 @@ from services.coordinator.backend import (
     GenerationRequest,
     ModelInfo,
 )
+from services.coordinator.text_stream import with_text
 
 
 @dataclass
@@ -55,6 +59,7 @@ class FallbackBackend:
     def __init__(self, backend: GenerationBackend, policy: FallbackPolicy):
         self.backend = backend
         self.policy = policy
+        self._tokenizers = {m.id: m.tokenizer for m in backend.models()}
 
     def models(self) -> list[ModelInfo]:
         return self.backend.models()
@@ -81,7 +86,11 @@ class FallbackBackend:
                 else (self.policy.ttft_timeout_ms / 1000)
             )
             started = time.monotonic()
-            async with contextlib.aclosing(self.backend.generate(sub)) as stream:
+            stream = self.backend.generate(sub)
+            tokenizer = self._tokenizers.get(model)
+            if tokenizer is not None:  # else the backend refuses the model before any token
+                stream = with_text(stream, tokenizer, sub.params.stop)
+            async with contextlib.aclosing(stream):
                 try:
                     head = await _until_first_token(stream, timeout_s)
                 except _MissedDeadline:

@@ -1,5 +1,5 @@
 """The production backend: routes each request to a (prefill, decode) pair of worker
-processes over gRPC and turns their token ids into text here, where stop strings live.
+processes over gRPC and streams their token ids (text and stop strings are `text_stream`'s).
 
 One `PairAttempt` serves the request on one pair. If a replica of the pair dies mid-stream,
 the request migrates: the prompt plus the tokens already streamed go to a freshly routed pair
@@ -31,11 +31,10 @@ from services.coordinator.pair_attempt import PairAttempt, Piece
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
 from shared.proto_gen import worker_pb2 as pb
+from shared.rpc.channels import ChannelPool
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
 from shared.telemetry.rpc_spans import describe_route
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.tokenizer.text_tracker import TextTracker
 from shared.wire.convert import params_to_proto
 
 log = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class GrpcBackend:
         self.transfer_deadline_s = transfer_deadline_s
         self.max_migrations = max_migrations
         self.affinity = ConversationAffinity(registry.config.block_size)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._background: set[asyncio.Task] = set()
 
     def models(self) -> list[ModelInfo]:
@@ -79,17 +78,12 @@ class GrpcBackend:
         return {"ready": self.registry.is_ready(), "workers": workers}
 
     def _channel(self, worker: WorkerInfo) -> grpc.aio.Channel:
-        channel = self._channels.get(worker.address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(worker.address)
-            self._channels[worker.address] = channel
-        return channel
+        return self._channels.get(worker.address)
 
     async def close(self) -> None:
         if self._background:  # aborts still on their way out
             await asyncio.wait(self._background, timeout=2.0)
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
     def _route(
         self, req: GenerationRequest, prompt: list[int], exclude: set[str]
@@ -111,8 +105,7 @@ class GrpcBackend:
         return decision
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        info = self._models.get(req.model)
-        if info is None:
+        if req.model not in self._models:
             raise BackendRequestError("model", f"model '{req.model}' is not served here")
         decision = self._route(req, req.prompt_token_ids, set())
         if decision is None:
@@ -122,13 +115,12 @@ class GrpcBackend:
         progress = StreamProgress(
             req.request_id, list(req.prompt_token_ids), req.params, self.max_migrations
         )
-        stream = _ClientStream(
-            progress, TextTracker(IncrementalDetokenizer(info.tokenizer), req.params.stop)
-        )
+        stream = _ClientStream(progress)
         meta = {"replica": decision.describe(), "routing": decision.reasoning}
         meta.update(current_trace_metadata())
         stream.pending_meta = meta
         failed: set[str] = set()
+        remembered: RoutingDecision | None = None
         while True:
             attempt = PairAttempt(
                 self.registry,
@@ -145,11 +137,15 @@ class GrpcBackend:
                 async with contextlib.aclosing(attempt.run()) as pieces:
                     async for piece in pieces:
                         chunk = stream.chunk(piece)
-                        yield chunk
-                        if chunk.finished:
+                        if chunk.token_ids and remembered is not decision:
+                            # The conversation's KV is on this decode replica from now on
+                            # (a stop string may close the stream before its last chunk).
                             self.affinity.remember(
                                 req.user, req.prompt_token_ids, decision.decode.worker_id
                             )
+                            remembered = decision
+                        yield chunk
+                        if chunk.finished:
                             return
             except ReplicaLost as lost:
                 if progress.remaining_tokens <= 0:  # lost right after the last token
@@ -201,12 +197,11 @@ class GrpcBackend:
 
 
 class _ClientStream:
-    """Turns pieces from successive attempts into the client's one stream: text through one
-    detokenizer and stop-string tracker, counters relative to the client's own prompt."""
+    """Turns pieces from successive attempts into the client's one stream: counters relative
+    to the client's own prompt, migrations reported from the first chunk after each."""
 
-    def __init__(self, progress: StreamProgress, tracker: TextTracker):
+    def __init__(self, progress: StreamProgress):
         self.progress = progress
-        self.tracker = tracker
         self.pending_meta: dict[str, Any] | None = None  # goes on the next chunk
         self._output_base = 0  # output tokens streamed before the current attempt
         self._attempt = 0
@@ -218,7 +213,8 @@ class _ClientStream:
 
     def chunk(self, piece: Piece) -> GenerationChunk:
         progress = self.progress
-        if progress.attempt != self._attempt:
+        migrated = progress.attempt != self._attempt
+        if migrated:
             self._attempt = progress.attempt
             self._output_base = len(progress.streamed)
         if self._origin is None:
@@ -231,6 +227,10 @@ class _ClientStream:
         self.pending_meta = None
         if piece.transfer is not None and origin:
             meta = {**(meta or {}), "transfer": piece.transfer}
+        if migrated:
+            # Said as soon as it happened: a stop string may end the stream before the
+            # backend's own last chunk.
+            meta = {**(meta or {}), "migrations": progress.metadata()}
         out = self._make(
             piece.token_ids,
             piece.finished,
@@ -249,17 +249,12 @@ class _ClientStream:
         return self._make([], True, reason, n, self._last_replica, None)
 
     def _make(self, tokens, finished, reason, outputs, replica, meta) -> GenerationChunk:
-        text, hit_stop = self.tracker.feed(tokens) if tokens else ("", False)
-        if hit_stop:
-            finished, reason = True, "stop"
-        elif finished:
-            text += self.tracker.finish()
         if finished and self.progress.migrations:
             meta = {**(meta or {}), "migrations": self.progress.metadata()}
         self._last_replica = replica
         return GenerationChunk(
             token_ids=tokens,
-            text=text,
+            text="",
             finished=finished,
             finish_reason=reason if finished else None,
             num_prompt_tokens=len(self.progress.prompt_token_ids),

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Role = Literal["prefill", "decode", "both"]
+from shared.config.roles import WorkerRole, can_decode, can_prefill
 
 
 @dataclass(frozen=True)
 class ReplicaState:
     replica_id: str
-    role: Role
+    role: WorkerRole
     model: str
     alive: bool = True
     queued_prefill_tokens: int = 0  # prompt tokens waiting or mid-prefill (last heartbeat)
@@ -24,8 +23,8 @@ class ReplicaState:
 
     @property
     def can_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return can_prefill(self.role)
 
     @property
     def can_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return can_decode(self.role)
