@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
 async def _stream(engine, tokenizer, prompt_ids: list[int], params):
     """Writes the reply as it comes; (tokens, finish reason, ttft s, total s).
 
-    Through the in-process backend and the coordinator's text stage, so stop strings and
-    detokenizing behave here exactly as they do behind the API."""
+    Through the in-process backend and the coordinator's retry loop, which makes the text:
+    stop strings and detokenizing behave here exactly as they do behind the API."""
     from services.coordinator.backend import GenerationRequest
-    from services.coordinator.text_stream import with_text
+    from services.coordinator.retry import RetryLoop, RetryPolicy
     from services.inprocess.engine_backend import EngineBackend
 
     req = GenerationRequest(
@@ -90,7 +90,8 @@ async def _stream(engine, tokenizer, prompt_ids: list[int], params):
     start = time.perf_counter()
     first, n, reason = None, 0, None
     with EngineBackend(engine, model_id="local", tokenizer=tokenizer) as backend:
-        async for chunk in with_text(backend.generate(req), tokenizer, params.stop):
+        loop = RetryLoop(backend, RetryPolicy(models=["local"]), tokenizer)
+        async for chunk in loop.generate(req):
             if first is None:
                 first = time.perf_counter() - start
             n = chunk.num_output_tokens

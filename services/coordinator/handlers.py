@@ -26,7 +26,6 @@ from services.coordinator.backend import (
 )
 from services.coordinator.errors import APIError, from_validation_error
 from services.coordinator.failures import backend_api_error, error_response
-from services.coordinator.fallback import FallbackBackend
 from services.coordinator.http_body import read_json_object
 from services.coordinator.metrics import UNKNOWN, APIMetrics
 from services.coordinator.plan import Endpoint, Plan, plan_chat, plan_completion
@@ -39,6 +38,7 @@ from services.coordinator.relay import (
     until_disconnect,
 )
 from services.coordinator.response_format import ChatFormat, CompletionFormat, ResponseFormat
+from services.coordinator.retry import RetryLoop
 from services.coordinator.saved_routers import SavedRouters
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
@@ -121,7 +121,11 @@ class GenerationHandler:
             tier = key.resolve_tier(body.service_tier)
             log.debug("request from key %s at tier %s", key.name, tier)  # the name, never the key
             policy, infos = resolve_targets(
-                body, self.routers, self.settings.model_id, self.backend.models()
+                body,
+                self.routers,
+                self.settings.model_id,
+                self.backend.models(),
+                self.settings.max_migrations,
             )
             model = infos[0]
             progress.model, progress.tier = model.id, tier
@@ -135,7 +139,8 @@ class GenerationHandler:
                         ticket = await until_disconnect(
                             request, self.admission.acquire(model.id, tier)
                         )
-                streams = ChoiceStreams(FallbackBackend(self.backend, policy), plan.requests)
+                loop = RetryLoop(self.backend, policy, model.tokenizer)
+                streams = ChoiceStreams(loop, plan.requests)
                 if plan.stream:
                     first = await until_disconnect(request, streams.next())
                 else:

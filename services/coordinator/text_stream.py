@@ -1,34 +1,18 @@
-"""Token ids to text, in one place: every backend streams token ids, and this stage turns a
-request's chunks into text deltas and ends the stream at a stop string.
+"""Token ids to text, in one place: every backend (and so every worker and the engine)
+streams token ids; the retry loop feeds each chunk through `add_text` with the request's one
+tracker, which sets its text delta and ends the reply at a stop string.
 
 A stop string ends the reply at the token that completed it: the chunk is cut there (token
-ids, logprobs, counters), marked finished with reason "stop", and the backend's iterator is
-closed, which aborts the request on its replicas so that no step is spent on tokens nobody
-will see. A backend's own "stop" is a stop token: it ends the reply and its text is not shown.
+ids, logprobs, counters) and marked finished with reason "stop"; the loop then closes the
+backend's stream, which aborts the request on its replicas, so no step is spent on tokens
+nobody will see. A backend's own "stop" is a stop token: it ends the reply, and its text is
+not shown.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 from services.coordinator.backend import GenerationChunk
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.text_tracker import TextTracker
-from shared.tokenizer.tokenizer import Tokenizer
-
-
-async def with_text(
-    chunks: AsyncIterator[GenerationChunk], tokenizer: Tokenizer, stop: tuple[str, ...]
-) -> AsyncIterator[GenerationChunk]:
-    """`chunks` with `text` set; the last one yielded is finished (by the backend or here)."""
-    tracker = TextTracker(IncrementalDetokenizer(tokenizer), stop)
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-        async for chunk in chunks:
-            add_text(chunk, tracker)
-            yield chunk
-            if chunk.finished:
-                return  # closing `chunks` before its end aborts the request (stop string)
 
 
 def add_text(chunk: GenerationChunk, tracker: TextTracker) -> None:

@@ -29,6 +29,7 @@ from shared.speculative.calibrate import measure_step_costs
 from shared.speculative.proposer import DraftProposer
 from shared.speculative.verify import Verified
 from shared.tokenizer.tokenizer import Tokenizer
+from shared.wire.records import WorkerLoad
 
 
 class RequestError(ValueError):
@@ -220,21 +221,21 @@ class Engine:
         self.scheduler.admit_running(seq)
         return request_id
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> WorkerLoad:
         """What the router weighs: queued prefill work and live KV."""
         sched = self.scheduler
-        return {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "queued_prefill_tokens": sum(
+        return WorkerLoad(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queued_prefill_tokens=sum(
                 s.num_pending_tokens
                 for s in sched.waiting + sched.running
                 if s.num_pending_tokens > 1
             ),
-            "active_kv_tokens": sum(s.num_tokens for s in sched.running),
-            "free_blocks": self.blocks.num_available_blocks,
-            "total_blocks": self.blocks.num_blocks,
-        }
+            active_kv_tokens=sum(s.num_tokens for s in sched.running),
+            free_blocks=self.blocks.num_available_blocks,
+            total_blocks=self.blocks.num_blocks,
+        )
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

@@ -3,7 +3,8 @@
 Each model id maps to a `Script`: how long before the first token, whether it fails before
 (or instead of) it, how many tokens and how fast. Every call is recorded with whether it
 finished or was closed early (which is how the coordinator aborts a request), so tests can
-check that a fallback cancelled the attempt it gave up on.
+check that a fallback cancelled the attempt it gave up on. Token i is the ids of the text
+"t{i} ", so the coordinator's detokenizer reads "t0 t1 t2 " from three tokens' worth.
 """
 
 from __future__ import annotations
@@ -37,21 +38,10 @@ class Call:
     started: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
-# Each a single token of the real SmolLM2 vocabulary: chunk i carries one token whose text
-# (made by the coordinator, like every backend's) is WORDS[i].
-WORDS = (" zero", " one", " two", " three", " four", " five", " six", " seven", " eight")
-
-
-def scripted_text(num_tokens: int) -> str:
-    """The reply a script of `num_tokens` tokens produces."""
-    return "".join(WORDS[i % len(WORDS)] for i in range(num_tokens))
-
-
 class ScriptedTestBackend:
     def __init__(self, tokenizer, scripts: dict[str, Script], context_length: int = 2048):
         self.scripts = scripts
-        self._token_ids = [tokenizer.encode(word) for word in WORDS]
-        assert all(len(ids) == 1 for ids in self._token_ids), "WORDS must be single tokens"
+        self.tokenizer = tokenizer
         self.calls: list[Call] = []
         self._infos = [
             ModelInfo(id=m, context_length=context_length, tokenizer=tokenizer) for m in scripts
@@ -79,8 +69,7 @@ class ScriptedTestBackend:
                     await asyncio.sleep(script.token_delay_s)
                 last = i == count - 1
                 yield GenerationChunk(
-                    token_ids=self._token_ids[i % len(WORDS)],
-                    text="",
+                    token_ids=self.tokenizer.encode(f"t{i} "),
                     finished=last,
                     finish_reason="length" if last else None,
                     num_prompt_tokens=prompt,

@@ -7,7 +7,7 @@ import pytest
 from services.coordinator.backend import BackendError, BackendUnavailable
 from services.coordinator.settings import APISettings
 from tests.unit.coordinator_client import chat_body, meta, run_with_client, sse_events
-from tests.unit.scripted_backend import Script, ScriptedTestBackend, scripted_text
+from tests.unit.scripted_backend import Script, ScriptedTestBackend
 
 SLOW, FAST, SPARE = "slow-model", "fast-model", "spare-model"
 
@@ -36,7 +36,7 @@ def test_missed_ttft_deadline_falls_back_and_lists_attempts(real_tokenizer):
     assert response.status_code == 200, response.text
     data = response.json()
     assert data["model"] == FAST
-    assert data["choices"][0]["message"]["content"] == scripted_text(3)
+    assert data["choices"][0]["message"]["content"] == "t0 t1 t2 "
     attempts = meta(data, "attempts")
     assert [a["model"] for a in attempts] == [SLOW, FAST]
     assert attempts[0]["success"] is False and "100 ms" in attempts[0]["error"]
@@ -87,7 +87,7 @@ def test_last_model_gets_no_deadline(real_tokenizer):
     # Its first token came after the 50 ms deadline, yet it was kept: the last model has none.
     assert [a["success"] for a in attempts] == [False, True]
     assert attempts[1]["ttft_ms"] is not None
-    assert response.json()["choices"][0]["message"]["content"] == scripted_text(3)
+    assert response.json()["choices"][0]["message"]["content"] == "t0 t1 t2 "
 
 
 def test_no_fallback_after_the_first_token(real_tokenizer):
@@ -133,6 +133,8 @@ def test_single_model_still_reports_attempts_and_reasoning(real_tokenizer):
     assert meta(data, "attempts") == [
         {
             "model": FAST,
+            "reason": "first",
+            "after_tokens": 0,
             "replica": "r9",
             "ttft_ms": meta(data, "attempts")[0]["ttft_ms"],
             "success": True,
@@ -180,7 +182,7 @@ def test_completions_fall_back_too_and_each_choice_is_served(real_tokenizer):
     assert response.status_code == 200, response.text
     data = response.json()
     assert data["model"] == FAST
-    assert [c["text"] for c in data["choices"]] == [scripted_text(3)] * 2
+    assert [c["text"] for c in data["choices"]] == ["t0 t1 t2 "] * 2
     assert len(backend.calls_for(SLOW)) == 2 and all(
         c.closed_early for c in backend.calls_for(SLOW)
     )

@@ -54,7 +54,7 @@ async def settled(fleet: Fleet, start: dict[str, int], timeout_s: float = 5.0) -
 
 async def consume_then_leave(fleet: Fleet, rid: str, n_chunks: int) -> int:
     got = 0
-    stream = fleet.backend.generate(request(rid, LONG, ignore_eos=True))
+    stream = fleet.loop.generate(request(rid, LONG, ignore_eos=True))
     async with contextlib.aclosing(stream):
         async for _chunk in stream:
             got += 1
@@ -110,7 +110,7 @@ def test_leaving_during_prefill_frees_blocks_everywhere(tiny_folder, real_tokeni
         try:
             start = await free_blocks(fleet)
             req = request("early", LONG, ignore_eos=True)
-            task = asyncio.create_task(collect(fleet.backend, req))
+            task = asyncio.create_task(collect(fleet.loop, req))
             await asyncio.sleep(0.1)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -198,7 +198,7 @@ def test_first_token_delay_fault_holds_the_first_token(
         )
         fleet = await start_fleet(config, real_tokenizer)
         try:
-            async for chunk in fleet.backend.generate(request("slow", 4)):
+            async for chunk in fleet.loop.generate(request("slow", 4)):
                 events.append("chunk")
                 if chunk.finished:
                     break

@@ -38,14 +38,11 @@ class ScriptedBackend:
 
     async def generate(self, req):
         n = len(req.prompt_token_ids)
-        yield GenerationChunk(
-            self.hello, "", num_prompt_tokens=n, num_output_tokens=1, replica="r0"
-        )
+        yield GenerationChunk(self.hello, num_prompt_tokens=n, num_output_tokens=1, replica="r0")
         if req.params.max_tokens == 13:
             raise BackendError("decode replica vanished")
         yield GenerationChunk(
             [*self.there, self.end],
-            "",
             finished=True,
             finish_reason="stop",
             num_prompt_tokens=n,

@@ -1,16 +1,18 @@
-"""The coordinator's text stage: token ids in, text deltas out, the reply cut at a stop string
-exactly where plain decoding would end it, and the backend's stream closed there, so the
-request is aborted on its replicas (no tokens wasted, every block back)."""
+"""The coordinator's text stage (`add_text`, fed by the retry loop): token ids in, text deltas
+out, the reply cut at a stop string exactly where plain decoding would end it, and the
+backend's stream closed there, so the request is aborted on its replicas (no tokens wasted,
+every block back)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from services.coordinator.backend import GenerationChunk
-from services.coordinator.fallback import FallbackBackend, FallbackPolicy
-from services.coordinator.text_stream import add_text, with_text
+from services.coordinator.backend import GenerationChunk, GenerationRequest, ModelInfo
+from services.coordinator.retry import RetryLoop, RetryPolicy
+from services.coordinator.text_stream import add_text
 from shared.sampling.logprob import TokenLogprob
+from shared.sampling.params import SamplingParams
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.text_tracker import TextTracker
 from tests.unit.test_migration_backend import (
@@ -68,20 +70,38 @@ def test_a_stop_token_ends_the_reply_unshown_and_held_text_is_flushed(real_token
     assert last.token_ids == [two] and last.num_output_tokens == 2
 
 
-def test_the_stage_closes_the_backend_stream_at_a_stop_string(real_tokenizer):
-    ids = _ids(real_tokenizer, [" one", " two", " three", " four"])
-    closed: list[bool] = []
+class _Counting:
+    """A backend saying " one two three four", one token a chunk, noting when it is closed."""
 
-    async def backend_stream():
+    def __init__(self, tokenizer):
+        self.ids = _ids(tokenizer, [" one", " two", " three", " four"])
+        self.info = ModelInfo(id="m", context_length=64, tokenizer=tokenizer)
+        self.closed: list[bool] = []
+
+    def models(self):
+        return [self.info]
+
+    async def health(self):
+        return {"ready": True}
+
+    async def generate(self, req):
         try:
-            for n, token in enumerate(ids, 1):
-                yield GenerationChunk(token_ids=[token], text="", num_output_tokens=n)
+            for n, token in enumerate(self.ids, 1):
+                yield GenerationChunk(token_ids=[token], num_output_tokens=n)
         finally:
-            closed.append(True)
+            self.closed.append(True)
+
+
+def test_the_loop_closes_the_backend_stream_at_a_stop_string(real_tokenizer):
+    backend = _Counting(real_tokenizer)
+    loop = RetryLoop(backend, RetryPolicy(models=["m"]), real_tokenizer)
+    req = GenerationRequest(
+        "r", "m", [1, 2, 3], SamplingParams(max_tokens=4, stop=(" two",)), 1, "default"
+    )
 
     async def run() -> list[GenerationChunk]:
-        chunks = [c async for c in with_text(backend_stream(), real_tokenizer, (" two",))]
-        assert closed == [True]  # closed by the stage itself, before it returned
+        chunks = [c async for c in loop.generate(req)]
+        assert backend.closed == [True]  # closed by the loop itself, before it returned
         return chunks
 
     chunks = asyncio.run(run())
@@ -91,7 +111,7 @@ def test_the_stage_closes_the_backend_stream_at_a_stop_string(real_tokenizer):
 
 
 def test_a_stop_string_aborts_the_request_on_the_replicas(tiny_folder, real_tokenizer):  # noqa: F811
-    """Through the coordinator's fallback layer and the gRPC backend: the text is the plain
+    """Through the coordinator's retry loop and the gRPC backend: the text is the plain
     greedy text cut at the stop string, and the decode replica aborts the rest at once."""
 
     async def main():
@@ -100,15 +120,14 @@ def test_a_stop_string_aborts_the_request_on_the_replicas(tiny_folder, real_toke
         )
         try:
             start = await free_blocks(fleet)
-            baseline = await collect(fleet.backend, request("plain", 40, ignore_eos=True))
+            baseline = await collect(fleet.loop, request("plain", 40, ignore_eos=True))
             await settled(fleet, start)
             aborted = {wid: (await r.stats())["aborted"] for wid, r in fleet.replicas.items()}
             ids = tokens(baseline)
             text = real_tokenizer.decode(ids, skip_special_tokens=True)
             stop = real_tokenizer.decode(ids[10:12], skip_special_tokens=True)
-            backend = FallbackBackend(fleet.backend, FallbackPolicy(models=["tiny"]))
             req = request("stopped", LONG, ignore_eos=True, stop=(stop,))
-            stream = backend.generate(req)
+            stream = fleet.loop.generate(req)
             async with contextlib.aclosing(stream):
                 chunks = [c async for c in stream]
             stats = await settled(fleet, start, timeout_s=2.0)
