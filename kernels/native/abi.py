@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ctypes
 
-F32, Q4_1, Q8_0 = 0, 1, 2
+# Matrix kinds; the _A8 ones take int8 activations (linear_a8.h).
+F32, Q4_1, Q8_0, Q4_1_A8, Q8_0_A8 = 0, 1, 2, 3, 4
 GROUP = 32  # elements per quantized block
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "decode_step.c"
+# Everything the build reads: a changed header must rebuild too.
+SOURCES = (SOURCE, SOURCE.parent / "linear_a8.h")
 _FLAG_SETS = (
     ["-O3", "-march=native", "-mtune=native"],
     ["-O3"],  # a compiler that does not know this CPU still gets a (scalar) library
@@ -89,7 +91,7 @@ def load(directory: Path | None = None) -> NativeBuild:
     cc = _compiler()
     if cc is None:
         return NativeBuild(None, None, "no C compiler (cc/gcc/clang) on PATH")
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES)
     directory = directory or cache_dir()
     errors: list[str] = []
     for flags in _FLAG_SETS:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 # Not imported from shared.model.linear: that pulls in torch (seconds) for every command.
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "native", "auto")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "native", "native-a8", "auto")
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_weights: str = "fp32") -> None:

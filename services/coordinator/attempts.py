@@ -19,7 +19,7 @@ What a continuation preserves:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from services.coordinator.backend import GenerationRequest
@@ -44,7 +44,16 @@ class Attempt:
     error: str | None = None
 
     def as_metadata(self) -> dict[str, Any]:
-        return asdict(self)
+        # By hand, not `asdict`: this runs on the first and last chunk of every stream.
+        return {
+            "model": self.model,
+            "reason": self.reason,
+            "after_tokens": self.after_tokens,
+            "replica": self.replica,
+            "ttft_ms": self.ttft_ms,
+            "success": self.success,
+            "error": self.error,
+        }
 
 
 @dataclass

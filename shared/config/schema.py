@@ -18,7 +18,7 @@ from shared.config.router import RouterConfig
 from shared.config.speculative import SpeculativeConfig
 
 TransferBackendName = Literal["shm", "tcp", "nixl", "fake"]
-WeightsName = Literal["fp32", "bf16", "int8", "int4", "native", "auto"]
+WeightsName = Literal["fp32", "bf16", "int8", "int4", "native", "native-a8", "auto"]
 ExporterName = Literal["none", "file", "otlp_grpc", "otlp_http"]
 
 

@@ -11,7 +11,7 @@ import logging
 import os
 
 from shared.model.formats import FormatChoice, choose
-from shared.model.llama import LlamaModel
+from shared.model.llama import NATIVE_FORMATS, LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.modelfile.default import default_model_path
 from shared.quality.report import model_fingerprint
@@ -33,7 +33,7 @@ def load_serving_model(
         return LlamaModel(checkpoint, weights=weights, device=device), None  # type: ignore[arg-type]
     eligible, refused = eligible_formats(path)
     if device != "cpu":
-        eligible = [w for w in eligible if w != "native"]
+        eligible = [w for w in eligible if w not in NATIVE_FORMATS]
     choice = choose(checkpoint, eligible, model_fingerprint(model_path), threads)
     log.info("weights auto: %s", choice.describe())
     for fmt, why in refused.items():

@@ -24,17 +24,17 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.native.build import SOURCE as NATIVE_SOURCE
+from kernels.native.build import SOURCES as NATIVE_SOURCES
 from kernels.native.build import cache_dir as native_cache_dir
 from kernels.native.build import cpu_signature
 from shared.kvcache.pool import KVPool
 from shared.model.gguf_file import Checkpoint
-from shared.model.llama import LlamaModel, ModelFormat, NativeUnavailable
+from shared.model.llama import NATIVE_FORMATS, LlamaModel, ModelFormat, NativeUnavailable
 
 log = logging.getLogger(__name__)
 
 # What a replica config may ask for: one format for both paths, or `auto` (measured).
-SERVING_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "auto")
+SERVING_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "native-a8", "auto")
 CHOOSER_VERSION = 1  # bump when what is measured changes, so old cached choices are redone
 PREFILL_CHUNK = 128
 DECODE_CONTEXT = 256
@@ -168,6 +168,12 @@ def pick(timings: dict[str, dict[str, float]]) -> tuple[ModelFormat, ModelFormat
     decode = min(
         names, key=lambda f: sum(timings[f][f"decode_b{b}_ms"] / b for b in DECODE_BATCHES)
     )
+    if prefill in NATIVE_FORMATS and decode in NATIVE_FORMATS and prefill != decode:
+        # A model holds one native build: the prompt path takes the fastest of the others.
+        prefill = min(
+            (f for f in names if f not in NATIVE_FORMATS or f == decode),
+            key=lambda f: timings[f]["prefill_ms_per_token"],
+        )
     return prefill, decode  # type: ignore[return-value]
 
 
@@ -175,7 +181,7 @@ def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:
     import hashlib
 
     # The kernel's source is part of the key: a faster native step must be measured anew.
-    kernel = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
+    kernel = hashlib.sha256(b"".join(p.read_bytes() for p in NATIVE_SOURCES)).hexdigest()[:16]
     key = "|".join(
         [str(CHOOSER_VERSION), cpu_signature(), str(threads), model_key, ",".join(eligible), kernel]
     )

@@ -39,8 +39,10 @@ class _Layer:
 _HEAD_FORMAT: dict[str, WeightFormat] = {"int4": "bf16"}
 
 # What a path can run in: a torch weight format, or the native step.
-ModelFormat = Literal["fp32", "bf16", "int8", "int4", "native"]
-MODEL_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native")
+ModelFormat = Literal["fp32", "bf16", "int8", "int4", "native", "native-a8"]
+MODEL_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "native-a8")
+# The native step's builds, by how their matrices take activations (native_step.ACTIVATIONS).
+NATIVE_FORMATS: dict[str, str] = {"native": "fp32", "native-a8": "int8"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -148,9 +150,17 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self.native: NativeStep | None = None
         self.native_reason = "not asked for"
-        if "native" in (self.weights, self.decode_weights):
+        natives = {f for f in (self.weights, self.decode_weights) if f in NATIVE_FORMATS}
+        if len(natives) > 1:
+            raise ValueError(f"one native build per model, not {sorted(natives)}")
+        if natives:
+            (native_format,) = natives
             self.native, self.native_reason = NativeStep.create(
-                checkpoint, self.embed_tokens, self.rope.cos, self.rope.sin
+                checkpoint,
+                self.embed_tokens,
+                self.rope.cos,
+                self.rope.sin,
+                NATIVE_FORMATS[native_format],
             )
             if self.native is None:
                 raise NativeUnavailable(f"the native step is unavailable: {self.native_reason}")
@@ -158,7 +168,7 @@ class LlamaModel:
         # two different torch formats fastest for the two paths).
         self._torch: dict[str, tuple[list[_Layer], Linear | None]] = {}
         for fmt in dict.fromkeys((self.weights, self.decode_weights)):
-            if fmt != "native":
+            if fmt not in NATIVE_FORMATS:
                 # With a native step, its head (the file's Q8_0 rows, ~1/3 the bytes of a bf16
                 # copy) serves both paths: the prompt path needs logits of a few rows only.
                 self._torch[fmt] = _torch_layers(  # type: ignore[arg-type]
@@ -166,7 +176,7 @@ class LlamaModel:
                 )
         # The layers of the prompt path, matrices as callables (the quality gate's dense
         # forward reads them): torch Linears, or the native kernel's own matrices.
-        if self.weights == "native":
+        if self.weights in NATIVE_FORMATS:
             assert self.native is not None
             self.layers = [
                 _Layer(
@@ -186,11 +196,11 @@ class LlamaModel:
 
     @property
     def decode_native(self) -> bool:
-        return self.decode_weights == "native"
+        return self.decode_weights in NATIVE_FORMATS
 
     @property
     def prefill_native(self) -> bool:
-        return self.weights == "native"
+        return self.weights in NATIVE_FORMATS
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -229,13 +239,13 @@ class LlamaModel:
                 matrices.append(head)
             out[f"torch {fmt}"] = sum(m.nbytes_held for m in matrices)  # type: ignore[union-attr]
         if self.native is not None:
-            out["native"] = self.native.nbytes.weights
+            out[f"native ({self.native.activations} activations)"] = self.native.nbytes.weights
         return out
 
     def torch_path(self, decode: bool) -> str | None:
         """The torch format a path runs in, or None when it runs natively."""
         fmt = self.decode_weights if decode else self.weights
-        return None if fmt == "native" else fmt
+        return None if fmt in NATIVE_FORMATS else fmt
 
     @torch.inference_mode()
     def forward(
@@ -299,7 +309,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Logits of final hidden states, with the head of the path they came from."""
         fmt = self.decode_weights if decode else self.weights
-        if fmt == "native" or (self.native is not None and self._torch[fmt][1] is None):
+        if fmt in NATIVE_FORMATS or (self.native is not None and self._torch[fmt][1] is None):
             assert self.native is not None
             return self.native.logits(hidden)
         head = self._torch[fmt][1]

@@ -44,16 +44,63 @@ def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
 
 def repack(kind: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks [out, in/32, 20|34] -> (quants, fp32 scales, fp32 mins or None), the layout
-    the kernel reads (see decode_step.c): the same values, nothing re-quantized."""
-    if kind == abi.Q4_1:
+    the kernel reads (see decode_step.c, linear_a8.h): the same values, nothing re-quantized."""
+    if kind in (abi.Q4_1, abi.Q4_1_A8):
         quants = np.ascontiguousarray(blocks[..., 4:20])
+        if kind == abi.Q4_1_A8:
+            quants = _regroup_nibbles(quants)
         return quants, _fp16_field(blocks, 0), _fp16_field(blocks, 2)
     quants = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)
+    if kind == abi.Q8_0_A8:
+        # VNNI multiplies unsigned by signed bytes, so the kernel takes (x_q + 128) . q and
+        # subtracts 128 * d * sum(q) per block, kept here where Q4_1 keeps its mins.
+        sums = quants.astype(np.int32).sum(axis=-1).astype(np.float32)
+        scales = _fp16_field(blocks, 0)
+        return quants, scales, np.ascontiguousarray(-128.0 * scales * sums, dtype=np.float32)
     return quants, _fp16_field(blocks, 0), None
 
 
+def _regroup_nibbles(quants: np.ndarray) -> np.ndarray:
+    """Q4_1 nibbles [out, blocks, 16] in the file's layout -> linear_a8.h's: per 4 blocks,
+    byte k holds element k (low) and 64 + k (high); a trailing pair, k and 32 + k; a trailing
+    single block stays as it is. Two masks of a 64-byte load then give elements in order."""
+    out, nb, _ = quants.shape
+    values = np.concatenate([quants & 0x0F, quants >> 4], axis=-1).reshape(out, nb * 32)
+    parts = []
+    groups = nb // 4
+    if groups:
+        g = values[:, : groups * 128].reshape(out, groups, 2, 64)
+        parts.append((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(out, groups * 64))
+    done = groups * 4
+    if nb - done >= 2:
+        p = values[:, done * 32 : (done + 2) * 32].reshape(out, 2, 32)
+        parts.append(p[:, 0] | (p[:, 1] << 4))
+        done += 2
+    if nb - done == 1:
+        parts.append(quants[:, done])
+    packed = np.concatenate(parts, axis=1).astype(np.uint8)
+    return np.ascontiguousarray(packed.reshape(out, nb, 16))
+
+
+# How the native step multiplies: "fp32" activations against the dequantized blocks (the fp32
+# build's products in another order), or "int8" activations with integer dot products
+# (linear_a8.h: faster, lossy, gated by a report of its own).
+ACTIVATIONS = ("fp32", "int8")
+
+
 class NativeStep:
-    def __init__(self, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin, build):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        embed: torch.Tensor,
+        rope_cos,
+        rope_sin,
+        build,
+        activations: str = "fp32",
+    ):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
+        self.activations = activations
         self.build: NativeBuild = build
         lib = build.library
         assert lib is not None
@@ -75,7 +122,9 @@ class NativeStep:
             layer.down = self._linear(checkpoint, [p + "down_proj"])
         self._layers = layers
         head_name = "lm_head" if "lm_head" in t else "embed_tokens"
-        self._head = self._linear(checkpoint, [head_name])
+        # The head decides the argmax, and it is bound by its bytes, not its instructions: int8
+        # activations there gained 0.1 ms a step and cost top-1 agreement, so it keeps fp32.
+        self._head = self._linear(checkpoint, [head_name], int8=False)
         self._embed = embed.contiguous().float()
         self._cos = rope_cos.contiguous()
         self._sin = rope_sin.contiguous()
@@ -105,7 +154,7 @@ class NativeStep:
 
     @classmethod
     def create(
-        cls, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin
+        cls, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin, activations="fp32"
     ) -> tuple[NativeStep | None, str]:
         """The native step for this checkpoint, or None and why not."""
         if embed.device.type != "cpu":
@@ -116,7 +165,7 @@ class NativeStep:
         cfg = checkpoint.config
         if cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
             return None, f"head_dim {cfg.head_dim} / GQA layout not supported by the native step"
-        return cls(checkpoint, embed, rope_cos, rope_sin, build), build.reason
+        return cls(checkpoint, embed, rope_cos, rope_sin, build, activations), build.reason
 
     # ------------------------------------------------------------------ packing
 
@@ -125,15 +174,18 @@ class NativeStep:
         self._keep.append(arr)
         return arr.data_ptr()
 
-    def _linear(self, checkpoint: Checkpoint, names: list[str]) -> abi.Linear:
+    def _linear(
+        self, checkpoint: Checkpoint, names: list[str], int8: bool | None = None
+    ) -> abi.Linear:
         """One matrix (rows of `names` stacked) in the file's own blocks when all parts share
         a block type, else fp32."""
         t = checkpoint.tensors
         out = sum(t[n].shape[0] for n in names)
         inp = t[names[0]].shape[1]
+        int8 = self.activations == "int8" if int8 is None else int8
         for kind, blocks in (
-            (abi.Q4_1, checkpoint.q4_1_blocks),
-            (abi.Q8_0, checkpoint.q8_0_blocks),
+            (abi.Q4_1_A8 if int8 else abi.Q4_1, checkpoint.q4_1_blocks),
+            (abi.Q8_0_A8 if int8 else abi.Q8_0, checkpoint.q8_0_blocks),
         ):
             if all(n in blocks for n in names):
                 quants, scales, mins = repack(kind, _stack([blocks[n] for n in names]))
@@ -206,7 +258,8 @@ class NativeMatrix:
     def nbytes_per_call(self) -> int:
         n = self.linear.out_features * self.linear.in_features
         blocks = n // abi.GROUP
-        return {abi.Q4_1: blocks * 24, abi.Q8_0: blocks * 36}.get(self.linear.kind, n * 4)
+        per_block = {abi.Q4_1: 24, abi.Q4_1_A8: 24, abi.Q8_0: 36, abi.Q8_0_A8: 40}
+        return blocks * per_block[self.linear.kind] if self.linear.kind in per_block else n * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shared.model.gguf_file import Checkpoint, expected_tensor_names
@@ -104,3 +105,58 @@ def write_hf_folder(checkpoint: Checkpoint, folder: str | Path) -> Path:
             state[f"model.layers.{layer}.{hf_names[short]}"] = value
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def _q4_1(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """GGUF Q4_1 blocks of w [out, in] and their exact dequantization."""
+    out, n = w.shape
+    x = w.reshape(out, n // 32, 32).double()
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).to(torch.float16)
+    m = lo.to(torch.float16)
+    safe = torch.where(d.double() > 0, d.double(), 1.0)
+    q = ((x - m.double()) / safe).round().clamp(0, 15).to(torch.uint8)
+    blocks = np.zeros((out, n // 32, 20), dtype=np.uint8)
+    blocks[..., 0:2] = d.numpy().view(np.uint8).reshape(out, n // 32, 2)
+    blocks[..., 2:4] = m.numpy().view(np.uint8).reshape(out, n // 32, 2)
+    qn = q.numpy()
+    blocks[..., 4:] = qn[..., :16] | (qn[..., 16:] << 4)
+    dense = q.float() * d.float() + m.float()
+    return blocks, dense.reshape(out, n)
+
+
+def _q8_0(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """GGUF Q8_0 blocks of w [out, in] and their exact dequantization."""
+    out, n = w.shape
+    x = w.reshape(out, n // 32, 32).double()
+    d = (x.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    safe = torch.where(d.double() > 0, d.double(), 1.0)
+    q = (x / safe).round().clamp(-127, 127).to(torch.int8)
+    blocks = np.zeros((out, n // 32, 34), dtype=np.uint8)
+    blocks[..., 0:2] = d.numpy().view(np.uint8).reshape(out, n // 32, 2)
+    blocks[..., 2:] = q.numpy().view(np.uint8)
+    return blocks, (q.float() * d.float()).reshape(out, n)
+
+
+def tiny_quantized_checkpoint(seed: int = 0, config: ModelConfig = TINY_CONFIG) -> Checkpoint:
+    """The tiny model as a GGUF of the bundled model's kinds would hold it: layer matrices in
+    Q4_1 blocks, embedding/head in Q8_0, each fp32 tensor the exact dequantization of its
+    blocks (what the native step's quantized kernels are tested on)."""
+    ck = tiny_checkpoint(seed, config)
+    tensors = dict(ck.tensors)
+    q4_1: dict[str, np.ndarray] = {}
+    q8_0: dict[str, np.ndarray] = {}
+    for name, w in ck.tensors.items():
+        if w.dim() != 2:
+            continue
+        if name in ("embed_tokens", "lm_head"):
+            q8_0[name], tensors[name] = _q8_0(w)
+        else:
+            q4_1[name], tensors[name] = _q4_1(w)
+    return Checkpoint(
+        config=ck.config,
+        tensors=tensors,
+        source=f"tiny-quantized-seed{seed}",
+        q4_1_blocks=q4_1,
+        q8_0_blocks=q8_0,
+    )

@@ -39,7 +39,7 @@ from shared.quality.report import GateReport, default_report_path, model_fingerp
 from shared.quality.text_encoder import TextEncoder, load_text_encoder
 
 # What `eval` can gate: each torch format, and the native step (checked like any other).
-WEIGHT_FORMATS = (*TORCH_FORMATS, "native")
+WEIGHT_FORMATS = (*TORCH_FORMATS, "native", "native-a8")
 EXIT_PASSED = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2

@@ -26,6 +26,12 @@ SHIPPED_REPORTS = Path(__file__).resolve().parent / "reports"
 # logits agree with fp32's to 1e-3), so it is the baseline's arithmetic in another order, not a
 # lossy build, and needs no PIQA report of its own.
 BASELINE_EQUIVALENT = ("native",)
+# Lossy builds a report must cover: the torch formats, and the native step with int8
+# activations (its products are not the fp32 build's).
+GATED_FORMATS: tuple[str, ...] = (
+    *(w for w in WEIGHT_FORMATS if w != BASELINE_WEIGHTS),
+    "native-a8",
+)
 
 
 def _find(fingerprint: str, weights: str, cache_dir) -> Path | None:
@@ -62,7 +68,7 @@ def require_gate(
     if weights == "auto":
         # `auto` serves only formats that pass here (see eligible_formats), fp32 at least.
         return None
-    if weights not in WEIGHT_FORMATS:
+    if weights not in GATED_FORMATS:
         raise QualityGateError(
             f"unknown weight format '{weights}' (valid: {', '.join(SERVING_FORMATS)})"
         )
@@ -118,9 +124,7 @@ def eligible_formats(
     """Formats `auto` may choose for `model`, and why each other one may not."""
     eligible = [BASELINE_WEIGHTS, *BASELINE_EQUIVALENT]
     refused: dict[str, str] = {}
-    for weights in WEIGHT_FORMATS:
-        if weights == BASELINE_WEIGHTS:
-            continue
+    for weights in GATED_FORMATS:
         try:
             require_gate(weights, None, model, cache_dir)
         except QualityGateError as exc:

@@ -21,7 +21,7 @@ from shared.engine.engine import Engine
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
 from shared.model.native_step import NativeMatrix, NativeStep, repack
-from shared.model.tiny import tiny_checkpoint
+from shared.model.tiny import tiny_checkpoint, tiny_quantized_checkpoint
 from shared.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -41,6 +41,24 @@ def split_model():
 @pytest.fixture(scope="module")
 def native_model():
     return LlamaModel(tiny_checkpoint(seed=0), weights="native")
+
+
+@pytest.fixture(scope="module")
+def a8_split_model():
+    """Prompt rows in torch fp32, decode rows natively with int8 activations, on the tiny
+    model quantized to the bundled GGUF's block kinds (so the int8 kernels run)."""
+    return LlamaModel(tiny_quantized_checkpoint(seed=0), weights="fp32", decode_weights="native-a8")
+
+
+@pytest.fixture(scope="module")
+def a8_model():
+    return LlamaModel(tiny_quantized_checkpoint(seed=0), weights="native-a8")
+
+
+@pytest.fixture(scope="module")
+def quantized_split_model():
+    """Like split_model, on the quantized tiny model: fp32 activations over Q4_1/Q8_0."""
+    return LlamaModel(tiny_quantized_checkpoint(seed=0), weights="fp32", decode_weights="native")
 
 
 def _engine(model, **overrides) -> Engine:
@@ -131,6 +149,53 @@ def test_quantized_matrix_equals_its_dequantized_fp32_product(native_lib, kind, 
     got = NativeMatrix(_Holder(native_lib, threads), linear)(x)  # type: ignore[arg-type]
     want = x.double() @ dense_of(blocks).double().T
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as linear_a8.h sees it: per 32 elements, d = max|x| / 127, x_q = round-half-even(x / d)."""
+    rows, n = x.shape
+    xb = x.reshape(rows, n // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    return (torch.round(xb * inv).clamp(-127, 127) * d).reshape(rows, n)
+
+
+def _linear(code: int, blocks: np.ndarray) -> abi.Linear:
+    quants, scales, mins = repack(code, blocks)
+    linear = abi.Linear(
+        code,
+        blocks.shape[0],
+        blocks.shape[1] * 32,
+        0,
+        quants.ctypes.data,
+        scales.ctypes.data,
+        mins.ctypes.data if mins is not None else None,
+    )
+    linear._arrays = (quants, scales, mins)  # type: ignore[attr-defined]  # kept alive
+    return linear
+
+
+# 576 = 4 groups of 4 blocks + a pair; 160 = a group + a single block; 96 = a pair + a single.
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("inp", [32, 96, 160, 576])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_activation_matrix_equals_its_quantized_product(native_lib, kind, inp, threads):
+    make, dense_of, code = {
+        "q4_1": (_q4_1_blocks, _q4_1_dense, abi.Q4_1_A8),
+        "q8_0": (_q8_0_blocks, _q8_0_dense, abi.Q8_0_A8),
+    }[kind]
+    blocks = make(37, inp, seed=inp)
+    matrix = NativeMatrix(_Holder(native_lib, threads), _linear(code, blocks))  # type: ignore[arg-type]
+    x = torch.randn(6, inp, generator=torch.Generator().manual_seed(inp))
+    got = matrix(x)
+    want = _quantized_activations(x.double()) @ dense_of(blocks).double().T
+    # Integer dots are exact; what is left is fp32 rounding of the per-block scaling.
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # ... and the activations really were quantized: fp32 inputs would not give this product.
+    fp32 = x.double() @ dense_of(blocks).double().T
+    assert (got.double() - fp32).abs().max().item() > 1e-3 * fp32.abs().max().item()
+    for r in range(6):  # a row's result does not depend on the rows beside it
+        assert torch.equal(matrix(x[r : r + 1])[0], got[r])
 
 
 def test_a_matrix_with_ragged_blocks_is_refused(native_lib):
@@ -238,10 +303,42 @@ def test_no_compiler_means_no_native_step_and_a_reason(monkeypatch):
 # ---------------------------------------------------------------- engine paths
 
 
-@pytest.fixture(scope="module", params=["split", "native"])
-def model_and_alone(request, split_model, native_model):
-    model = split_model if request.param == "split" else native_model
+@pytest.fixture(scope="module", params=["split", "q-split", "native", "a8-split", "a8"])
+def model_and_alone(
+    request, split_model, quantized_split_model, native_model, a8_split_model, a8_model
+):
+    model = {
+        "split": split_model,
+        "q-split": quantized_split_model,
+        "native": native_model,
+        "a8-split": a8_split_model,
+        "a8": a8_model,
+    }[request.param]
     return model, _alone(model, _prompts(8))
+
+
+def test_one_model_holds_one_native_build():
+    with pytest.raises(ValueError, match="one native build"):
+        LlamaModel(tiny_checkpoint(seed=0), weights="native", decode_weights="native-a8")
+
+
+def test_int8_activations_change_the_logits_a_little(quantized_split_model, a8_split_model):
+    """native-a8 is its own (gated) build: close to fp32, not equal to it."""
+    split_model = quantized_split_model
+    prompt = _prompts(1, seed=5)[0]
+    pool, table = _prefilled(split_model, prompt)
+    n = len(prompt)
+    args = (
+        np.asarray([17], dtype=np.int64),
+        np.asarray([n], dtype=np.int32),
+        np.asarray([table], dtype=np.int32),
+    )
+    twin = KVPool(pool.layout, pool.num_blocks)
+    twin.tensor.copy_(pool.tensor)
+    fp32 = split_model.logits(split_model.native.forward(*args, pool.tensor, 16), decode=True)
+    a8 = a8_split_model.logits(a8_split_model.native.forward(*args, twin.tensor, 16), decode=True)
+    diff = (a8 - fp32).abs().max().item()
+    assert 1e-6 < diff < 0.1 * fp32.abs().max().item()
 
 
 def test_batch_of_eight_equals_each_alone(model_and_alone):

@@ -34,10 +34,21 @@ def test_a_machine_without_fast_bf16_never_gets_bf16():
     assert pick(timings)[0] == "fp32"
 
 
+def test_one_native_build_per_model_even_when_each_path_prefers_another():
+    timings = {
+        "bf16": _t(2.0, 9.0, 30.0),
+        "native": _t(1.0, 8.0, 30.0),
+        "native-a8": _t(1.5, 6.0, 20.0),
+    }
+    assert pick(timings) == ("native-a8", "native-a8")
+    timings["native-a8"] = _t(2.5, 6.0, 20.0)
+    assert pick(timings) == ("bf16", "native-a8")
+
+
 def test_formats_without_a_passing_report_are_not_eligible(gguf_path, tmp_path):
     eligible, refused = eligible_formats(gguf_path, cache_dir=tmp_path)
     assert eligible == ["fp32", "native"]
-    assert set(refused) == {"bf16", "int8", "int4"}
+    assert set(refused) == {"bf16", "int8", "int4", "native-a8"}
     assert all("never evaluated" in why and "splitserve eval" in why for why in refused.values())
 
 

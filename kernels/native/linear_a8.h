@@ -1,0 +1,306 @@
+/* Matrix x vector with int8 activations: the `native-a8` build's matrices.
+ *
+ * Why: with fp32 activations every weight is widened to a float and multiplied on its own, so
+ * a batch-1 step on two cores was bound by instructions, not by the bytes it reads. Quantizing
+ * each row's input once per matrix to int8 (per 32 elements, symmetric, like the weights'
+ * own blocks) turns the inner loop into integer dot products of 4 byte pairs per lane
+ * (AVX512-VNNI `vpdpbusd`; AVX2 `vpmaddubsw`), ~3.5x fewer instructions per weight. The
+ * products are then no longer the fp32 build's: this is a lossy build with a quality-gate
+ * report of its own (shared/quality/reports).
+ *
+ * Every integer dot is exact; a row's result is the same sequence of float operations
+ * whatever rows share the call, so batching never changes a sequence's output.
+ *
+ * Layouts (repacked once at load, shared/model/native_step.py):
+ * - Q4_1_A8: the file's nibbles regrouped per 4 blocks (128 elements, 64 bytes): byte k holds
+ *   element k in its low nibble and element 64 + k in its high one, so two masks give two
+ *   runs of 64 elements in order. A trailing pair of blocks (32 bytes) holds element k low and
+ *   32 + k high; a trailing single block keeps the file's layout (k low, 16 + k high).
+ *   Scales and mins as fp32 [out, blocks].
+ * - Q8_0_A8: the file's int8 quants; `mins` holds -128 * d * sum(q) per block, the correction
+ *   for VNNI's unsigned-times-signed product of (x_q + 128) and q.
+ */
+
+/* One row set's inputs, quantized: q [rows, in] int8, qu = q + 128 as uint8 (VNNI's unsigned
+ * operand), d [rows, nb] scales, dx [rows, nb * 8] each scale repeated 8 times (one 256-bit
+ * lane group per block, so two blocks' scales load as one 512-bit vector), s [rows, nb] = d *
+ * sum(q) (the Q4_1 mins' partner). */
+typedef struct {
+  int8_t *q;
+  uint8_t *qu;
+  float *d, *dx, *s;
+  int in;
+} ss_acts;
+
+static size_t acts_bytes(int rows, int in) {
+  int nb = in / QK;
+  return (size_t)rows * ((size_t)in * 2 + (size_t)nb * 10 * sizeof(float)) + 64;
+}
+
+/* Carve an ss_acts out of `mem` (acts_bytes(rows, in) bytes). */
+static ss_acts acts_view(void *mem, int rows, int in) {
+  int nb = in / QK;
+  ss_acts a;
+  float *f = (float *)mem;
+  a.d = f;
+  a.dx = a.d + (size_t)rows * nb;
+  a.s = a.dx + (size_t)rows * nb * 8;
+  a.q = (int8_t *)(a.s + (size_t)rows * nb);
+  a.qu = (uint8_t *)(a.q + (size_t)rows * in);
+  a.in = in;
+  return a;
+}
+
+/* One block's scale and int8 values: d = max|x| / 127, q = x / d rounded to nearest even. Every
+ * path computes the same values (x * (1/d), the same rounding), so a build quantizes alike
+ * whatever its vector width. */
+static void quantize_block(const float *xb, int8_t *q, uint8_t *qu, float *d_out, int *sum_out) {
+#if SS_AVX512
+  __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  __m512 vid = _mm512_set1_ps(id);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), lo), hi);
+  __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)), lo), hi);
+  __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
+  _mm_storeu_si128((__m128i *)q, b0);
+  _mm_storeu_si128((__m128i *)(q + 16), b1);
+  const __m128i flip = _mm_set1_epi8((char)0x80);
+  _mm_storeu_si128((__m128i *)qu, _mm_xor_si128(b0, flip));
+  _mm_storeu_si128((__m128i *)(qu + 16), _mm_xor_si128(b1, flip));
+  *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  *d_out = d;
+#else
+  float amax = 0.f;
+  for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+  float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int j = 0; j < QK; j++) {
+    int v = (int)lrintf(xb[j] * id);
+    v = v > 127 ? 127 : (v < -127 ? -127 : v);
+    q[j] = (int8_t)v;
+    qu[j] = (uint8_t)(v + 128);
+    sum += v;
+  }
+  *sum_out = sum;
+  *d_out = d;
+#endif
+}
+
+/* Blocks [b0, b1) of the rows' flattened block list: the threads split the work. */
+static void quantize_rows_part(const float *x, int rows, int in, ss_acts *a, int b0, int b1) {
+  int nb = in / QK;
+  for (int i = b0; i < b1 && i < rows * nb; i++) {
+    int r = i / nb, b = i % nb, sum;
+    size_t at = (size_t)r * in + (size_t)b * QK;
+    float d;
+    quantize_block(x + at, a->q + at, a->qu + at, &d, &sum);
+    a->d[i] = d;
+    a->s[i] = d * (float)sum;
+    for (int j = 0; j < 8; j++) a->dx[(size_t)i * 8 + j] = d;
+  }
+}
+
+static void quantize_rows(const float *x, int rows, int in, ss_acts *a) {
+  quantize_rows_part(x, rows, in, a, 0, rows * (in / QK));
+}
+
+/* The integer dot of one Q4_1_A8 block that sits alone at the end (file layout). */
+static inline int idot_q4_single(const uint8_t *w, const int8_t *q) {
+  int t = 0;
+  for (int j = 0; j < 16; j++) t += (w[j] & 0x0f) * q[j] + (w[j] >> 4) * q[j + 16];
+  return t;
+}
+
+static inline int idot_q8(const int8_t *w, const int8_t *q) {
+  int t = 0;
+  for (int j = 0; j < QK; j++) t += w[j] * q[j];
+  return t;
+}
+
+#if SS_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SS_VNNI512 1
+#else
+#define SS_VNNI512 0
+#endif
+
+static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
+  int in = w->in_features, out = w->out_features, nb = in / QK;
+  int groups = nb / 4, pair = (nb % 4) >= 2, single = nb % 2;
+  const uint8_t *quants = (const uint8_t *)w->data;
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    int nr = rows - r0 < 4 ? rows - r0 : 4;
+    for (int o = o0; o < o1; o++) {
+      const uint8_t *qs = quants + (size_t)o * nb * Q4_1_QBYTES;
+      const float *ds = w->scales + (size_t)o * nb, *ms = w->mins + (size_t)o * nb;
+      float tail[4] = {0.f, 0.f, 0.f, 0.f};
+#if SS_VNNI512
+      const __m512i low = _mm512_set1_epi8(0x0f);
+      const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i idx_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int g = 0; g < groups; g++) {
+        __m512i raw = _mm512_loadu_si512((const void *)(qs + (size_t)g * 64));
+        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        __m512 d4 = _mm512_castps128_ps512(_mm_loadu_ps(ds + 4 * g));
+        __m512 dlo = _mm512_permutexvar_ps(idx_lo, d4), dhi = _mm512_permutexvar_ps(idx_hi, d4);
+        for (int r = 0; r < nr; r++) {
+          const int8_t *q = a->q + (size_t)(r0 + r) * in + (size_t)g * 128;
+          const float *dx = a->dx + ((size_t)(r0 + r) * nb + 4 * g) * 8;
+          __m512i plo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)q));
+          __m512i phi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512((const void *)(q + 64)));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(plo), _mm512_mul_ps(dlo, _mm512_loadu_ps(dx)), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(phi), _mm512_mul_ps(dhi, _mm512_loadu_ps(dx + 16)), acc[r]);
+        }
+      }
+      if (pair) {
+        int b = 4 * groups;
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + (size_t)b * Q4_1_QBYTES));
+        const __m256i low8 = _mm256_set1_epi8(0x0f);
+        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, low8)),
+                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), low8), 1);
+        __m512 d2 = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(ds + b))));
+        __m512 dlo = _mm512_permutexvar_ps(idx_lo, d2);
+        for (int r = 0; r < nr; r++) {
+          const int8_t *q = a->q + (size_t)(r0 + r) * in + (size_t)b * QK;
+          const float *dx = a->dx + ((size_t)(r0 + r) * nb + b) * 8;
+          __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512((const void *)q));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dlo, _mm512_loadu_ps(dx)), acc[r]);
+        }
+      }
+      float sums[4];
+      for (int r = 0; r < nr; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+#elif SS_AVX2
+      const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      /* One block's 32 weights (w, in order) against each row's 32 quantized inputs. */
+#define SS_Q4_BLOCK(wv, b)                                                                          \
+  do {                                                                                              \
+    for (int r = 0; r < nr; r++) {                                                                  \
+      const int8_t *q = a->q + (size_t)(r0 + r) * in + (size_t)(b) * QK;                            \
+      __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16((wv), _mm256_loadu_si256((const __m256i *)q)), ones); \
+      __m256 sc = _mm256_set1_ps(ds[(b)] * a->d[(size_t)(r0 + r) * nb + (b)]);                     \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[r]);                                  \
+    }                                                                                               \
+  } while (0)
+      for (int g = 0; g < groups; g++) {
+        __m256i raw0 = _mm256_loadu_si256((const __m256i *)(qs + (size_t)g * 64));
+        __m256i raw1 = _mm256_loadu_si256((const __m256i *)(qs + (size_t)g * 64 + 32));
+        int b = 4 * g;
+        SS_Q4_BLOCK(_mm256_and_si256(raw0, low), b);
+        SS_Q4_BLOCK(_mm256_and_si256(raw1, low), b + 1);
+        SS_Q4_BLOCK(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), low), b + 2);
+        SS_Q4_BLOCK(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), low), b + 3);
+      }
+      if (pair) {
+        int b = 4 * groups;
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + (size_t)b * Q4_1_QBYTES));
+        SS_Q4_BLOCK(_mm256_and_si256(raw, low), b);
+        SS_Q4_BLOCK(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), b + 1);
+      }
+#undef SS_Q4_BLOCK
+      float sums[4];
+      for (int r = 0; r < nr; r++) sums[r] = hsum8(acc[r]);
+#else
+      float sums[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int r = 0; r < nr; r++) {
+        const int8_t *q = a->q + (size_t)(r0 + r) * in;
+        const float *d = a->d + (size_t)(r0 + r) * nb;
+        for (int g = 0; g < groups; g++) {
+          const uint8_t *wg = qs + (size_t)g * 64;
+          for (int k = 0; k < 2; k++) { /* low run: blocks 4g, 4g+1; high run: 4g+2, 4g+3 */
+            for (int h = 0; h < 2; h++) {
+              int t = 0, b = 4 * g + 2 * k + h;
+              for (int j = 0; j < QK; j++) {
+                uint8_t byte = wg[h * QK + j];
+                t += (k ? byte >> 4 : byte & 0x0f) * q[(size_t)b * QK + j];
+              }
+              sums[r] += ds[b] * d[b] * (float)t;
+            }
+          }
+        }
+        if (pair) {
+          int b = 4 * groups;
+          const uint8_t *wp = qs + (size_t)b * Q4_1_QBYTES;
+          int t0 = 0, t1 = 0;
+          for (int j = 0; j < QK; j++) {
+            t0 += (wp[j] & 0x0f) * q[(size_t)b * QK + j];
+            t1 += (wp[j] >> 4) * q[(size_t)(b + 1) * QK + j];
+          }
+          sums[r] += ds[b] * d[b] * (float)t0;
+          sums[r] += ds[b + 1] * d[b + 1] * (float)t1;
+        }
+      }
+#endif
+      for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r);
+        if (single) {
+          int b = nb - 1;
+          int t = idot_q4_single(qs + (size_t)b * Q4_1_QBYTES, a->q + row * in + (size_t)b * QK);
+          tail[r] = ds[b] * a->d[row * nb + b] * (float)t;
+        }
+        y[row * out + o] = sums[r] + tail[r] + dot_f32(ms, a->s + row * nb, nb);
+      }
+    }
+  }
+}
+
+static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
+  int in = w->in_features, out = w->out_features, nb = in / QK;
+  const int8_t *quants = (const int8_t *)w->data;
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    int nr = rows - r0 < 4 ? rows - r0 : 4;
+    for (int o = o0; o < o1; o++) {
+      const int8_t *qs = quants + (size_t)o * nb * Q8_0_QBYTES;
+      const float *ds = w->scales + (size_t)o * nb;
+#if SS_VNNI512
+      /* (x_q + 128) . w, then the per-block -128 * d * sum(w) correction (in `mins`). */
+      const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const float *cs = w->mins + (size_t)o * nb;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      int b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        __m512i wv = _mm512_loadu_si512((const void *)(qs + (size_t)b * QK));
+        __m512 d2 = _mm512_permutexvar_ps(idx_lo, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(ds + b)))));
+        for (int r = 0; r < nr; r++) {
+          const uint8_t *qu = a->qu + (size_t)(r0 + r) * in + (size_t)b * QK;
+          const float *dx = a->dx + ((size_t)(r0 + r) * nb + b) * 8;
+          __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512((const void *)qu), wv);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d2, _mm512_loadu_ps(dx)), acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r);
+        float t = _mm512_reduce_add_ps(acc[r]);
+        if (b < nb) t += ds[b] * a->d[row * nb + b] * (float)idot_q8(qs + (size_t)b * QK, a->q + row * in + (size_t)b * QK);
+        /* The correction covers the blocks VNNI summed, not the exact trailing one. */
+        y[row * out + o] = t + dot_f32(cs, a->d + row * nb, b);
+      }
+#elif SS_AVX2
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int b = 0; b < nb; b++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(qs + (size_t)b * QK));
+        __m256i wabs = _mm256_sign_epi8(wv, wv);
+        for (int r = 0; r < nr; r++) {
+          const int8_t *q = a->q + (size_t)(r0 + r) * in + (size_t)b * QK;
+          __m256i qs_ = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), wv);
+          __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, qs_), ones);
+          __m256 sc = _mm256_set1_ps(ds[b] * a->d[(size_t)(r0 + r) * nb + b]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; r++) y[(size_t)(r0 + r) * out + o] = hsum8(acc[r]);
+#else
+      for (int r = 0; r < nr; r++) {
+        size_t row = (size_t)(r0 + r);
+        float t = 0.f;
+        for (int b = 0; b < nb; b++)
+          t += ds[b] * a->d[row * nb + b] * (float)idot_q8(qs + (size_t)b * QK, a->q + row * in + (size_t)b * QK);
+        y[row * out + o] = t;
+      }
+#endif
+    }
+  }
+}
