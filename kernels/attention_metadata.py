@@ -1,4 +1,4 @@
-"""What one forward step tells the attention backend about its sequences.
+"""What one forward step tells the attention kernel about its sequences.
 
 The step's new tokens are flattened: sequence 0's tokens, then sequence 1's, and so on. Each
 sequence brings `query_len` new tokens at the end of a context of `context_len` tokens (cached
@@ -23,7 +23,7 @@ class AttentionMetadata:
     # reuses (computed once per step, not once per layer).
     slot_blocks: torch.Tensor = field(init=False)
     slot_offsets: torch.Tensor = field(init=False)
-    backend_state: dict = field(init=False, default_factory=dict)
+    kernel_state: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (len(self.query_lens) == len(self.context_lens) == len(self.block_tables)):
@@ -61,8 +61,3 @@ class AttentionMetadata:
             for q, ctx in zip(self.query_lens, self.context_lens, strict=True)
         ]
         return torch.cat(parts)
-
-    def last_token_indices(self) -> torch.Tensor:
-        """Index, in the flat token order, of each sequence's last new token."""
-        ends = torch.tensor(self.query_lens, device=self.device).cumsum(0)
-        return ends - 1

@@ -1,4 +1,4 @@
-"""Which attention backend a device gets: Triton kernels on CUDA, the torch reference elsewhere."""
+"""Which attention kernel a device gets: Triton kernels on CUDA, the torch reference elsewhere."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import logging
 
 import torch
 
-from kernels.attention_backend import AttentionBackend
+from kernels.attention_kernel import AttentionKernel
 from kernels.torch_attention import TorchPagedAttention
 
 _log = logging.getLogger(__name__)
 
 
-def attention_backend_for(device: str | torch.device) -> AttentionBackend:
+def attention_kernel_for(device: str | torch.device) -> AttentionKernel:
     device = torch.device(device)
     if device.type != "cuda":
         return TorchPagedAttention()

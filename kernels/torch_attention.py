@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_backend import AttentionBackend, write_kv
+from kernels.attention_kernel import AttentionKernel, write_kv
 from kernels.attention_metadata import AttentionMetadata
 
 # Sequences with at most this many new tokens share the padded batch.
@@ -49,7 +49,7 @@ def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
     return k_pos <= q_pos
 
 
-class TorchPagedAttention(AttentionBackend):
+class TorchPagedAttention(AttentionKernel):
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -77,13 +77,13 @@ class TorchPagedAttention(AttentionBackend):
                     mask=_causal_mask(q_len, ctx, dev)[:, None, :],
                 )
             )
-        meta.backend_state["torch"] = state
+        meta.kernel_state["torch"] = state
 
     def forward(self, q, k, v, key_cache, value_cache, meta, scale):
-        if "torch" not in meta.backend_state:
+        if "torch" not in meta.kernel_state:
             self.prepare(meta)
         write_kv(k, v, key_cache, value_cache, meta)
-        state = meta.backend_state["torch"]
+        state = meta.kernel_state["torch"]
         num_heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = key_cache.shape[2]
         group = group_size = num_heads // kv_heads

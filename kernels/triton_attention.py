@@ -1,4 +1,4 @@
-"""The Triton paged-attention backend: the engine's attention on CUDA devices.
+"""The Triton paged-attention kernel: the engine's attention on CUDA devices.
 
 Each step's sequences are sorted by how many new tokens they bring, once per step in `prepare`:
   1 token        -> split-KV decode (flash-decoding),
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_backend import AttentionBackend
+from kernels.attention_kernel import AttentionKernel
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_batch import PagedBatch
 from kernels.triton_kv_write import write_kv_slots
@@ -48,7 +48,7 @@ def plan_step(meta: AttentionMetadata) -> TritonStep:
     )
 
 
-class TritonPagedAttention(AttentionBackend):
+class TritonPagedAttention(AttentionKernel):
     name = "triton"
 
     def __init__(self, num_splits: int | None = None):
@@ -60,12 +60,12 @@ class TritonPagedAttention(AttentionBackend):
         self._sm_counts: dict[torch.device, int] = {}
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.backend_state["triton"] = plan_step(meta)
+        meta.kernel_state["triton"] = plan_step(meta)
 
     def forward(self, q, k, v, key_cache, value_cache, meta, scale):
-        if "triton" not in meta.backend_state:
+        if "triton" not in meta.kernel_state:
             self.prepare(meta)
-        step: TritonStep = meta.backend_state["triton"]
+        step: TritonStep = meta.kernel_state["triton"]
         if q.shape[0] != meta.num_tokens:
             raise ValueError(f"q has {q.shape[0]} tokens, the step has {meta.num_tokens}")
         write_kv_slots(k, v, key_cache, value_cache, meta.slot_blocks, meta.slot_offsets)

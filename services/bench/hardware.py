@@ -16,15 +16,3 @@ def measure_read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 5) -> floa
         x.sum()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
-
-
-def measure_memcpy_gb_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Best-of-N copy rate, counting bytes copied once (the figure a transfer is held against)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9

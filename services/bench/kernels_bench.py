@@ -1,9 +1,9 @@
 """`splitserve bench kernels`: each Triton kernel's GB/s and TFLOP/s beside the device's limits,
-the split-KV verify speedup over the unsplit kernel, and a decode step with either backend.
+the split-KV verify speedup over the unsplit kernel, and a decode step with either attention kernel.
 
 On a CUDA device: Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16,
 16-token blocks in a block-major pool with shuffled block tables). Every kernel is first checked
-against the torch backend on the same inputs, so no figure comes from a wrong kernel. Limits:
+against the torch reference on the same inputs, so no figure comes from a wrong kernel. Limits:
 the spec-sheet HBM bandwidth and dense bf16 rate of the named device, and a device-to-device
 copy measured in the same run. Without CUDA it says so and times the torch reference path on
 small versions of the same shapes, so the command runs (and is tested) anywhere.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_backend import write_kv
+from kernels.attention_kernel import write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.torch_attention import TorchPagedAttention
 
@@ -241,7 +241,7 @@ def _split_speedups(device: torch.device, sms: int, reps: int, quick: bool) -> d
 
 
 def _decode_step(device: torch.device, quick: bool, batch: int = 8, ctx: int = 2048) -> dict:
-    """One SmolLM2 decode step (the engine's fp32 KV pool) with the torch vs Triton backend."""
+    """One SmolLM2 decode step (the engine's fp32 KV pool), torch vs Triton attention kernel."""
     try:
         from kernels.triton_attention import TritonPagedAttention
         from shared.kvcache.pool import KVPool
@@ -253,8 +253,8 @@ def _decode_step(device: torch.device, quick: bool, batch: int = 8, ctx: int = 2
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         ids = torch.randint(0, checkpoint.config.vocab_size, (batch,), device=device)
         timings = {}
-        for name, backend in (("torch", TorchPagedAttention()), ("triton", TritonPagedAttention())):
-            model = LlamaModel(checkpoint, weights="bf16", device=device, attention=backend)
+        for name, kernel in (("torch", TorchPagedAttention()), ("triton", TritonPagedAttention())):
+            model = LlamaModel(checkpoint, weights="bf16", device=device, attention=kernel)
             pool = KVPool(model.kv_layout(BLOCK_SIZE), batch * per_seq, device=device)
             pool.tensor.normal_()
             meta = AttentionMetadata([1] * batch, [ctx] * batch, tables, BLOCK_SIZE, device=device)
@@ -277,7 +277,7 @@ def _run_cpu_reference(quick: bool) -> dict:
         "write_kv_256_tokens": ([64] * 4, [64] * 4),
     }
     cpu = torch.device("cpu")
-    backend = TorchPagedAttention()
+    kernel = TorchPagedAttention()
     timings = {}
     reps = 3 if quick else 10
     for label, (query_lens, contexts) in small.items():
@@ -287,8 +287,8 @@ def _run_cpu_reference(quick: bool) -> dict:
             ms = median_ms(functools.partial(write_kv, *args), cpu, 1, reps)
             timings[label] = _figures(case, ms, 4 * case.k.numel() * case.k.element_size())
             continue
-        backend.prepare(case.meta)
-        run = functools.partial(backend.forward, case.q, *args, HEAD_DIM**-0.5)
+        kernel.prepare(case.meta)
+        run = functools.partial(kernel.forward, case.q, *args, HEAD_DIM**-0.5)
         timings[label] = _figures(case, median_ms(run, cpu, 1, reps))
     read_gb_s = measure_read_bandwidth_gb_s((64 if quick else 256) << 20)
     return {"read_gb_s": read_gb_s, "torch_reference": timings}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from services.commands.common import WEIGHT_FORMATS, fail, positive_float, positive_int
+from shared.config import engine_defaults as defaults
 
 ROUTERS = ("least_loaded", "round_robin", "prefix_only", "kv_aware")
 
@@ -27,7 +28,7 @@ def add_commands(sub) -> None:
     prof.add_argument(
         "--kv-cache-bytes",
         type=positive_int,
-        default=256 << 20,
+        default=defaults.KV_CACHE_BYTES,
         help="a replica's KV cache (its prefix-cache size in the simulator)",
     )
     prof.set_defaults(handler=run_profile_cmd)

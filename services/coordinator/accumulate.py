@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.coordinator.backend import GenerationChunk
-from services.coordinator.plan import Plan
+from services.coordinator.prepare import PreparedRequest
 from services.coordinator.pricing import response_cost
 from shared.config.policy import Price
 from shared.sampling.logprob import TokenLogprob
@@ -30,17 +30,17 @@ class ChoiceState:
 class ResponseState:
     """Per-choice accumulators, usage totals and the response's `metadata`."""
 
-    def __init__(self, plan: Plan, price: Price | None = None):
-        self.plan = plan
-        self.price = price  # of the plan's tier; None = no `cost` in the metadata
-        self.choices = [ChoiceState() for _ in plan.requests]
+    def __init__(self, prepared: PreparedRequest, price: Price | None = None):
+        self.prepared = prepared
+        self.price = price  # of the request's tier; None = no `cost` in the metadata
+        self.choices = [ChoiceState() for _ in prepared.requests]
         self._replicas: list[str] = []
         self._extra: dict[str, Any] = {}
         self._served_model: str | None = None
 
     def add(self, index: int, chunk: GenerationChunk) -> ChoiceState:
         state = self.choices[index]
-        if self.plan.drop_output:
+        if self.prepared.drop_output:
             # max_tokens=0: the token generated to finish the prompt pass is not output.
             chunk.token_ids, chunk.text, chunk.logprobs = [], "", []
         state.text += chunk.text
@@ -51,7 +51,7 @@ class ResponseState:
             state.prompt_top_logprobs = chunk.prompt_top_logprobs
         state.num_prompt_tokens = chunk.num_prompt_tokens
         state.num_cached_tokens = chunk.num_cached_tokens
-        state.num_output_tokens = 0 if self.plan.drop_output else chunk.num_output_tokens
+        state.num_output_tokens = 0 if self.prepared.drop_output else chunk.num_output_tokens
         if chunk.finished:
             state.finish_reason = _openai_finish_reason(chunk.finish_reason)
         if chunk.replica and chunk.replica not in self._replicas:
@@ -66,7 +66,7 @@ class ResponseState:
     @property
     def served_model(self) -> str:
         """The model that answered: a fallback may have moved on from the one asked for."""
-        return self._served_model or self.plan.model.id
+        return self._served_model or self.prepared.model.id
 
     @property
     def finished(self) -> bool:
@@ -74,7 +74,7 @@ class ResponseState:
 
     def usage(self) -> dict[str, Any]:
         # A prompt shared by n choices is counted once, as OpenAI bills it.
-        firsts = [self.choices[p * self.plan.n] for p in range(len(self.plan.prompt_ids))]
+        firsts = [self.choices[p * self.prepared.n] for p in range(len(self.prepared.prompt_ids))]
         prompt = sum(c.num_prompt_tokens for c in firsts)
         cached = sum(c.num_cached_tokens for c in firsts)
         completion = sum(c.num_output_tokens for c in self.choices)
@@ -94,14 +94,14 @@ class ResponseState:
     def structured_metadata(self) -> dict[str, Any]:
         """The metadata with lists and objects as they are: for metrics and spans."""
         merged: dict[str, Any] = {
-            "request_id": self.plan.response_id,
+            "request_id": self.prepared.response_id,
             "replica": ",".join(self._replicas) if self._replicas else None,
-            "service_tier": self.plan.tier,
+            "service_tier": self.prepared.tier,
         }
         merged.update(self._extra)
         if self.price is not None and self.finished:
             # Only once the usage is final: a partial cost on a first chunk would mislead.
-            merged["cost"] = response_cost(self.usage(), self.plan.tier, self.price)
+            merged["cost"] = response_cost(self.usage(), self.prepared.tier, self.price)
         return {key: value for key, value in merged.items() if value is not None}
 
     def metadata(self) -> dict[str, str]:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.coordinator.errors import APIError
-from services.coordinator.tiers import tier_priority
+from services.coordinator.service_tiers import tier_priority
 from shared.config.policy import TiersConfig
 
 RATE_LIMIT_TYPE = "rate_limit_error"

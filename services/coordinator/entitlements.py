@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from services.coordinator.auth import unauthorized
 from services.coordinator.errors import APIError
-from services.coordinator.tiers import SERVED_TIERS
+from services.coordinator.service_tiers import SERVED_TIERS
 
 ANONYMOUS = "anonymous"
 

@@ -8,25 +8,25 @@ from starlette.responses import JSONResponse
 
 from services.coordinator.backend import BackendError, BackendRequestError, BackendUnavailable
 from services.coordinator.errors import SERVER_ERROR, APIError, bad_request, unavailable
-from services.coordinator.plan import Plan
+from services.coordinator.prepare import PreparedRequest
 
 log = logging.getLogger(__name__)
 
 
-def backend_api_error(exc: BaseException, plan: Plan) -> APIError:
+def backend_api_error(exc: BaseException, prepared: PreparedRequest) -> APIError:
     """A backend failure as the client should see it."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, BackendUnavailable):
         return unavailable(str(exc), exc.retry_after_s)
     if isinstance(exc, BackendRequestError):
-        param = plan.param_names.get(exc.param, exc.param)
+        param = prepared.param_names.get(exc.param, exc.param)
         return bad_request(exc.message, param)
     if isinstance(exc, BackendError):
         return APIError(
             502, f"The model backend failed: {exc}", type=SERVER_ERROR, code="backend_error"
         )
-    log.error("unexpected error serving %s", plan.response_id, exc_info=exc)
+    log.error("unexpected error serving %s", prepared.response_id, exc_info=exc)
     return APIError(
         500, "The server had an internal error.", type=SERVER_ERROR, code="internal_error"
     )

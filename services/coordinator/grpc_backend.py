@@ -138,5 +138,4 @@ class GrpcBackend:
 async def reap_forever(registry: WorkerRegistry, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        for worker_id in registry.reap():
-            log.warning("worker %s missed its heartbeats and left the pool", worker_id)
+        registry.reap()  # mark_dead logs each replica it drops

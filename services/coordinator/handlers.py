@@ -1,4 +1,4 @@
-"""One generation request through the HTTP layer: parse, plan, relay, count.
+"""One generation request through the HTTP layer: parse, prepare, relay, count.
 
 Errors before the first token become plain HTTP errors (the stream has not begun, so a 503
 with Retry-After is still possible); errors after it become an SSE error event and [DONE].
@@ -28,7 +28,8 @@ from services.coordinator.errors import APIError, from_validation_error
 from services.coordinator.failures import backend_api_error, error_response
 from services.coordinator.http_body import read_json_object
 from services.coordinator.metrics import UNKNOWN, APIMetrics
-from services.coordinator.plan import Endpoint, Plan, plan_chat, plan_completion
+from services.coordinator.model_routes import ModelRoutes
+from services.coordinator.prepare import Endpoint, PreparedRequest, prepare_chat, prepare_completion
 from services.coordinator.prompt_tokens import PromptTokens
 from services.coordinator.relay import (
     SSE_DONE,
@@ -40,7 +41,6 @@ from services.coordinator.relay import (
 )
 from services.coordinator.response_format import ChatFormat, CompletionFormat, ResponseFormat
 from services.coordinator.retry import RetryLoop
-from services.coordinator.saved_routers import SavedRouters
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
 from services.coordinator.targets import resolve_targets
@@ -51,23 +51,25 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection first"
 
-# Bodies up to this size are planned on the event loop: tokenizing one (~750 tokens at most,
+# Bodies up to this size are prepared on the event loop: tokenizing one (~750 tokens at most,
 # fewer uncached) takes about half a millisecond, and the hop to a worker thread and back
 # costs the request a fifth of that and more under load.
-INLINE_PLAN_MAX_BYTES = 4 << 10
+INLINE_PREPARE_MAX_BYTES = 4 << 10
 
 
 @dataclass(frozen=True)
 class _EndpointSpec:
     name: Endpoint
     schema: type[BaseModel]
-    planner: Callable[..., Plan]
+    prepare: Callable[..., PreparedRequest]
     format: type[ResponseFormat]
 
 
 ENDPOINTS = {
-    "chat": _EndpointSpec("chat", ChatCompletionRequest, plan_chat, ChatFormat),
-    "completion": _EndpointSpec("completion", CompletionRequest, plan_completion, CompletionFormat),
+    "chat": _EndpointSpec("chat", ChatCompletionRequest, prepare_chat, ChatFormat),
+    "completion": _EndpointSpec(
+        "completion", CompletionRequest, prepare_completion, CompletionFormat
+    ),
 }
 
 
@@ -96,7 +98,7 @@ class GenerationHandler:
         self.metrics = metrics
         self.tracing = tracing or Tracing.disabled()
         self.keyring = settings.keyring
-        self.routers = SavedRouters(settings.routers)
+        self.model_routes = ModelRoutes(settings.model_routes)
         self.admission = Admission(settings.tiers)
         self._encoders: dict[str, PromptTokens] = {}  # per model: what conversations repeat
 
@@ -129,7 +131,7 @@ class GenerationHandler:
             log.debug("request from key %s at tier %s", key.name, tier)  # the name, never the key
             policy, infos = resolve_targets(
                 body,
-                self.routers,
+                self.model_routes,
                 self.settings.model_id,
                 self.backend.models(),
                 self.settings.max_migrations,
@@ -139,13 +141,13 @@ class GenerationHandler:
             encoder = self._encoders.get(model.id)
             if encoder is None:
                 encoder = self._encoders[model.id] = PromptTokens(model.tokenizer)
-            plan_args = (body, model, encoder, self.settings, tier)
-            if _plans_quickly(request):  # a thread hop costs more than planning it here
-                plan = spec.planner(*plan_args)
+            prepare_args = (body, model, encoder, self.settings, tier)
+            if _prepares_quickly(request):  # a thread hop costs more than preparing it here
+                prepared = spec.prepare(*prepare_args)
             else:  # tokenizing a long prompt must not hold the event loop
-                plan = await run_in_threadpool(spec.planner, *plan_args)
-            _describe(trace, plan, body)
-            state = ResponseState(plan, self.settings.prices.get(tier))
+                prepared = await run_in_threadpool(spec.prepare, *prepare_args)
+            _describe(trace, prepared, body)
+            state = ResponseState(prepared, self.settings.prices.get(tier))
             try:
                 ticket = self.admission.try_acquire(model.id, tier)
                 if ticket is None:  # the model is at its in-flight limit: wait in the tier queue
@@ -154,8 +156,8 @@ class GenerationHandler:
                             request, self.admission.acquire(model.id, tier)
                         )
                 loop = RetryLoop(self.backend, policy, model.tokenizer)
-                streams = ChoiceStreams(loop, plan.requests)
-                if plan.stream:
+                streams = ChoiceStreams(loop, prepared.requests)
+                if prepared.stream:
                     first = await until_disconnect(request, streams.next())
                 else:
                     await until_disconnect(request, self._collect(streams, state, progress))
@@ -165,17 +167,17 @@ class GenerationHandler:
                 return Response(status_code=CLIENT_CLOSED)
             except Exception as exc:
                 _close(streams, ticket)
-                raise backend_api_error(exc, plan) from exc
+                raise backend_api_error(exc, prepared) from exc
             except BaseException:  # cancelled (server shutting down): still abort the work
                 _close(streams, ticket)
                 raise
         except APIError as exc:
             self._count(progress, endpoint, exc.status)
             return error_response(exc)
-        headers = {"X-Request-Id": plan.response_id}
-        fmt = spec.format(plan, state)
-        if plan.stream:
-            events = self._events(plan, streams, first, state, fmt, progress, ticket)
+        headers = {"X-Request-Id": prepared.response_id}
+        fmt = spec.format(prepared, state)
+        if prepared.stream:
+            events = self._events(prepared, streams, first, state, fmt, progress, ticket)
             return SSEResponse(events, headers=headers)
         ticket.release()
         self._finish(progress, endpoint, state, 200)
@@ -192,7 +194,7 @@ class GenerationHandler:
 
     async def _events(
         self,
-        plan: Plan,
+        prepared: PreparedRequest,
         streams: ChoiceStreams,
         first: tuple[int, GenerationChunk] | None,
         state: ResponseState,
@@ -211,18 +213,18 @@ class GenerationHandler:
                     yield sse(payload)
                 event = await streams.next()
             _check_finished(state)
-            if plan.include_usage:
+            if prepared.include_usage:
                 yield sse(fmt.usage_chunk())
             yield SSE_DONE
             outcome = 200
         except Exception as exc:
-            error = backend_api_error(exc, plan)
+            error = backend_api_error(exc, prepared)
             outcome = "stream_error"
             yield sse(error.body())
             yield SSE_DONE
         finally:
             _close(streams, ticket)  # no await: this may run inside a cancelled scope
-            self._finish(progress, plan.endpoint, state, outcome)
+            self._finish(progress, prepared.endpoint, state, outcome)
 
     def _observe(self, progress: _Progress, index: int, chunk: GenerationChunk) -> None:
         if not chunk.token_ids:
@@ -281,14 +283,14 @@ class GenerationHandler:
             progress.trace.end(status)
 
 
-def _describe(trace: RequestTrace, plan: Plan, body: BaseModel) -> None:
-    params = plan.requests[0].params if plan.requests else None
+def _describe(trace: RequestTrace, prepared: PreparedRequest, body: BaseModel) -> None:
+    params = prepared.requests[0].params if prepared.requests else None
     trace.describe(
-        model=plan.model.id,
-        tier=plan.tier,
-        stream=plan.stream,
-        response_id=plan.response_id,
-        choices=len(plan.requests),
+        model=prepared.model.id,
+        tier=prepared.tier,
+        stream=prepared.stream,
+        response_id=prepared.response_id,
+        choices=len(prepared.requests),
         max_tokens=params.max_tokens if params else None,
         temperature=params.temperature if params else None,
         top_p=params.top_p if params else None,
@@ -298,9 +300,9 @@ def _describe(trace: RequestTrace, plan: Plan, body: BaseModel) -> None:
         trace.record_input(body.model_dump(mode="json", include={"messages", "prompt"}))
 
 
-def _plans_quickly(request: Request) -> bool:
+def _prepares_quickly(request: Request) -> bool:
     length = request.headers.get("content-length")
-    return length is not None and length.isdigit() and int(length) <= INLINE_PLAN_MAX_BYTES
+    return length is not None and length.isdigit() and int(length) <= INLINE_PREPARE_MAX_BYTES
 
 
 def _close(streams: ChoiceStreams | None, ticket: Ticket | None) -> None:

@@ -118,7 +118,7 @@ def api_settings(config: DeploymentConfig) -> APISettings:
         keys=keyed_api_keys(config),
         tiers=config.tiers,
         prices=dict(config.prices),
-        routers=dict(config.routers),
+        model_routes=dict(config.routers),
     )
 
 

@@ -32,7 +32,7 @@ class PromptTokens:
         self._split = (
             re.compile("(?=" + "|".join(map(re.escape, specials)) + ")") if specials else None
         )
-        self._lock = threading.Lock()  # a large prompt is planned on a worker thread
+        self._lock = threading.Lock()  # a large prompt is prepared on a worker thread
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._chars = 0
         self.hits = 0

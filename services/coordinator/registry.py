@@ -3,6 +3,7 @@ KV blocks each replica holds (fed by the workers' KV events)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ from shared.config.roles import can_decode, can_prefill
 from shared.config.schema import DeploymentConfig
 from shared.kvcache.events import KVEvent
 from shared.wire.records import WorkerLoad
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,7 +95,8 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         if info is not None and info.alive:
             info.alive = False
-            info.dead_reason = reason  # type: ignore[attr-defined]
+            # The one place a replica leaves the pool: say why, once.
+            log.warning("replica %s left the pool: %s", worker_id, reason or "marked dead")
         self.drop_kv(worker_id)
 
     def reap(self, now: float | None = None) -> list[str]:

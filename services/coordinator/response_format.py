@@ -12,17 +12,17 @@ from services.coordinator.logprob_format import (
     chat_logprobs,
     merge_completion_logprobs,
 )
-from services.coordinator.plan import Plan
+from services.coordinator.prepare import PreparedRequest
 
 
 class ResponseFormat(ABC):
     object_name: str
     chunk_object_name: str
 
-    def __init__(self, plan: Plan, state: ResponseState):
-        self.plan = plan
+    def __init__(self, prepared: PreparedRequest, state: ResponseState):
+        self.prepared = prepared
         self.state = state
-        self.tokenizer = plan.model.tokenizer
+        self.tokenizer = prepared.model.tokenizer
 
     @abstractmethod
     def stream_chunks(self, index: int, chunk: GenerationChunk) -> list[dict[str, Any]]:
@@ -40,20 +40,20 @@ class ResponseFormat(ABC):
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {
-            "id": self.plan.response_id,
+            "id": self.prepared.response_id,
             "object": object_name,
-            "created": self.plan.created,
+            "created": self.prepared.created,
             "model": self.state.served_model,
-            "system_fingerprint": self.plan.model.fingerprint or None,
-            "service_tier": self.plan.tier,
+            "system_fingerprint": self.prepared.model.fingerprint or None,
+            "service_tier": self.prepared.tier,
         }
 
     def _chunk(self, choice: dict[str, Any], with_metadata: bool) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name)
         body["choices"] = [choice]
-        if self.plan.continuous_usage:
+        if self.prepared.continuous_usage:
             body["usage"] = self.state.usage()
-        elif self.plan.include_usage:
+        elif self.prepared.include_usage:
             body["usage"] = None  # as OpenAI sends it: present, null until the final chunk
         if with_metadata:
             body["metadata"] = self.state.metadata()
@@ -77,7 +77,7 @@ class ChatFormat(ResponseFormat):
             opening = {"role": "assistant", "content": "", "refusal": None}
             out.append(self._chunk(self._choice(index, opening, None, None), with_metadata=True))
         logprobs = None
-        if self.plan.logprobs is not None and chunk.logprobs:
+        if self.prepared.logprobs is not None and chunk.logprobs:
             logprobs = {"content": chat_logprobs(self.tokenizer, chunk.logprobs), "refusal": None}
         if chunk.text or logprobs or chunk.finished:
             delta = {"content": chunk.text} if chunk.text else {}
@@ -90,7 +90,7 @@ class ChatFormat(ResponseFormat):
         choices = []
         for index, choice in enumerate(self.state.choices):
             logprobs = None
-            if self.plan.logprobs is not None:
+            if self.prepared.logprobs is not None:
                 logprobs = {
                     "content": chat_logprobs(self.tokenizer, choice.logprobs),
                     "refusal": None,
@@ -122,9 +122,9 @@ class CompletionFormat(ResponseFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, plan: Plan, state: ResponseState):
-        super().__init__(plan, state)
-        self._prompt_text = [self.tokenizer.decode(ids) for ids in plan.prompt_ids]
+    def __init__(self, prepared: PreparedRequest, state: ResponseState):
+        super().__init__(prepared, state)
+        self._prompt_text = [self.tokenizer.decode(ids) for ids in prepared.prompt_ids]
         self._stream_logprobs: dict[int, CompletionLogprobs] = {}
 
     def stream_chunks(self, index: int, chunk: GenerationChunk) -> list[dict[str, Any]]:
@@ -136,15 +136,15 @@ class CompletionFormat(ResponseFormat):
             choice.started = True
             builder = self._builder(index)
             self._stream_logprobs[index] = builder
-            if self.plan.echo:
-                text = self._prompt_text[self.plan.prompt_index(index)] + text
-                if self.plan.logprobs is not None:
+            if self.prepared.echo:
+                text = self._prompt_text[self.prepared.prompt_index(index)] + text
+                if self.prepared.logprobs is not None:
                     parts.append(self._prompt_part(builder, index))
-        if self.plan.logprobs is not None and chunk.logprobs:
+        if self.prepared.logprobs is not None and chunk.logprobs:
             parts.append(self._stream_logprobs[index].output(chunk.logprobs))
         if not (text or parts or chunk.finished):
             return []
-        logprobs = merge_completion_logprobs(*parts) if self.plan.logprobs is not None else None
+        logprobs = merge_completion_logprobs(*parts) if self.prepared.logprobs is not None else None
         reason = choice.finish_reason if chunk.finished else None
         payload = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return [self._chunk(payload, with_metadata=first or chunk.finished)]
@@ -153,12 +153,12 @@ class CompletionFormat(ResponseFormat):
         choices = []
         for index, choice in enumerate(self.state.choices):
             text = choice.text
-            if self.plan.echo:
-                text = self._prompt_text[self.plan.prompt_index(index)] + text
+            if self.prepared.echo:
+                text = self._prompt_text[self.prepared.prompt_index(index)] + text
             logprobs = None
-            if self.plan.logprobs is not None:
+            if self.prepared.logprobs is not None:
                 builder = self._builder(index)
-                parts = [self._prompt_part(builder, index)] if self.plan.echo else []
+                parts = [self._prompt_part(builder, index)] if self.prepared.echo else []
                 parts.append(builder.output(choice.logprobs))
                 logprobs = merge_completion_logprobs(*parts)
             choices.append(
@@ -174,13 +174,15 @@ class CompletionFormat(ResponseFormat):
     def _builder(self, index: int) -> CompletionLogprobs:
         # Offsets count from the start of the returned text; without echo that text starts
         # right after the prompt, as in OpenAI's API.
-        start = 0 if self.plan.echo else len(self._prompt_text[self.plan.prompt_index(index)])
+        start = (
+            0 if self.prepared.echo else len(self._prompt_text[self.prepared.prompt_index(index)])
+        )
         return CompletionLogprobs(self.tokenizer, start)
 
     def _prompt_part(self, builder: CompletionLogprobs, index: int) -> dict[str, list]:
         choice = self.state.choices[index]
         return builder.prompt(
-            self.plan.prompt_ids[self.plan.prompt_index(index)],
+            self.prepared.prompt_ids[self.prepared.prompt_index(index)],
             choice.prompt_logprobs,
             choice.prompt_top_logprobs,
         )

@@ -23,7 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from services.coordinator.tiers import VALID_TIERS
+from services.coordinator.service_tiers import VALID_TIERS
 
 # Strict floats still take JSON integers (`"temperature": 1`), never strings or booleans.
 Number = StrictFloat

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.coordinator.entitlements import ApiKey, KeyRing
-from shared.config.policy import Price, SavedRouter, TiersConfig, default_prices
+from shared.config.policy import ModelRoute, Price, TiersConfig, default_prices
 from shared.modelfile.default import DEFAULT_MODEL_ID
 
 
@@ -26,7 +26,7 @@ class APISettings:
     keys: tuple[ApiKey, ...] = field(default=(), repr=False)
     tiers: TiersConfig = TiersConfig()
     prices: dict[str, Price] = field(default_factory=default_prices)
-    routers: dict[str, SavedRouter] = field(default_factory=dict)
+    model_routes: dict[str, ModelRoute] = field(default_factory=dict)
 
     @property
     def keyring(self) -> KeyRing:

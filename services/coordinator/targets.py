@@ -6,13 +6,13 @@ from typing import Any
 
 from services.coordinator.backend import ModelInfo
 from services.coordinator.errors import APIError, bad_request
+from services.coordinator.model_routes import PREFIX, ModelRoutes, cel_view
 from services.coordinator.retry import RetryPolicy
-from services.coordinator.saved_routers import PREFIX, SavedRouters, cel_view
 
 
 def resolve_targets(
     body: Any,
-    routers: SavedRouters,
+    routes: ModelRoutes,
     default_model: str,
     served: list[ModelInfo],
     max_migrations: int,
@@ -26,7 +26,7 @@ def resolve_targets(
     if requested.startswith(PREFIX):
         if body.models:
             raise bad_request("models cannot be combined with a saved router", "models")
-        choice = routers.choose(requested[len(PREFIX) :], cel_view(body))
+        choice = routes.choose(requested[len(PREFIX) :], cel_view(body))
         models, reasoning = choice.models, list(choice.reasoning)
         timeout = timeout if timeout is not None else choice.ttft_timeout_ms
     else:

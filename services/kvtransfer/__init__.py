@@ -2,7 +2,7 @@
 replica allocated for it. Backends: ``nixl`` (UCX), ``shm`` (same host), ``tcp`` (anywhere),
 and an in-process fake for tests; control plane over gRPC in ``control``."""
 
-from services.kvtransfer.factory import BACKEND_KINDS, create_backend, create_pool
+from services.kvtransfer.factory import TRANSFER_BACKEND_KINDS, create_pool, create_transfer_backend
 from services.kvtransfer.interface import TransferBackend
 from services.kvtransfer.session import TransferSession
 from services.kvtransfer.types import (
@@ -17,7 +17,7 @@ from services.kvtransfer.types import (
 )
 
 __all__ = [
-    "BACKEND_KINDS",
+    "TRANSFER_BACKEND_KINDS",
     "AgentMetadata",
     "BlockDescriptor",
     "ReceiveDescriptors",
@@ -28,6 +28,6 @@ __all__ = [
     "TransferSession",
     "TransferState",
     "TransferStats",
-    "create_backend",
+    "create_transfer_backend",
     "create_pool",
 ]

@@ -46,7 +46,7 @@ def memcpy_gb_s(nbytes: int = 64 * _MIB, repeats: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _bench_backend(kind: str, sizes_mib: Sequence[int], repeats: int) -> dict[str, float]:
+def _bench_transfer_backend(kind: str, sizes_mib: Sequence[int], repeats: int) -> dict[str, float]:
     num_blocks = max(sizes_mib) * _MIB // BENCH_LAYOUT.block_bytes
     rng = random.Random(0)
     with (
@@ -100,7 +100,7 @@ def run_transfer_bench(
         if kind == "nixl" and (why := nixl_import_error()):
             report["backends"][kind] = {"skipped": f"nixl not importable: {why}"}
             continue
-        report["backends"][kind] = _bench_backend(kind, sizes_mib, repeats)
+        report["backends"][kind] = _bench_transfer_backend(kind, sizes_mib, repeats)
     # Every backend runs on this one host here, so "same host" is all of them.
     at_64 = [r["gb_s_64mib"] for r in report["backends"].values() if "gb_s_64mib" in r]
     if at_64:

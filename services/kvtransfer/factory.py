@@ -11,11 +11,11 @@ from services.kvtransfer.shm_pool import SharedKVPool
 from services.kvtransfer.types import TransferError
 from shared.kvcache.pool import KVLayout, KVPool
 
-BackendKind = Literal["tcp", "shm", "nixl"]
-BACKEND_KINDS: tuple[BackendKind, ...] = ("tcp", "shm", "nixl")
+TransferBackendKind = Literal["tcp", "shm", "nixl"]
+TRANSFER_BACKEND_KINDS: tuple[TransferBackendKind, ...] = ("tcp", "shm", "nixl")
 
 
-def create_backend(
+def create_transfer_backend(
     kind: str,
     agent_name: str,
     *,
@@ -38,7 +38,9 @@ def create_backend(
         from services.kvtransfer.nixl import NixlTransferBackend
 
         return NixlTransferBackend(agent_name, **common)
-    raise TransferError(f"unknown kvtransfer backend {kind!r}; choose one of {BACKEND_KINDS}")
+    raise TransferError(
+        f"unknown kvtransfer backend {kind!r}; choose one of {TRANSFER_BACKEND_KINDS}"
+    )
 
 
 def create_pool(kind: str, layout: KVLayout, num_blocks: int) -> KVPool:

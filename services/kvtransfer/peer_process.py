@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from services.kvtransfer.blockbytes import byte_view
 from services.kvtransfer.codec import metadata_from_proto, metadata_to_proto
-from services.kvtransfer.factory import create_backend, create_pool
+from services.kvtransfer.factory import create_pool, create_transfer_backend
 from services.kvtransfer.session import TransferSession
 from services.kvtransfer.shm_pool import SHM_DIR, SharedKVPool
 from services.kvtransfer.types import (
@@ -97,7 +97,7 @@ class _Agent:
 
     def __init__(self, spec: dict[str, Any]):
         layout = KVLayout(**{**spec["layout"], "dtype": dtype_from_name(spec["layout"]["dtype"])})
-        self.backend = create_backend(
+        self.backend = create_transfer_backend(
             spec["backend"],
             spec["agent_name"],
             registry=CollectorRegistry(),

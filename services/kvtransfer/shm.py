@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry
 from services.kvtransfer import wire
 from services.kvtransfer.blockbytes import byte_view, copy_runs
 from services.kvtransfer.shm_pool import SharedKVPool
-from services.kvtransfer.stream import StreamBackend
+from services.kvtransfer.stream import StreamTransferBackend
 from services.kvtransfer.types import AgentMetadata, ReceiveHandle, TransferError
 from shared.kvcache.pool import KVPool
 
 
-class ShmTransferBackend(StreamBackend):
+class ShmTransferBackend(StreamTransferBackend):
     name = "shm"
     kind = wire.Kind.PULL
     sender_shutdown = socket.SHUT_WR

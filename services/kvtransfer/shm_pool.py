@@ -59,18 +59,6 @@ class SharedKVPool(KVPool):
         return cls(layout, num_blocks, path, owner=True)
 
     @classmethod
-    def create_from_budget(
-        cls, layout: KVLayout, budget_bytes: int, *, directory: Path = SHM_DIR
-    ) -> SharedKVPool:
-        num_blocks = budget_bytes // layout.block_bytes
-        if num_blocks <= 0:
-            raise ValueError(
-                f"KV memory budget of {budget_bytes} bytes is smaller than one block "
-                f"({layout.block_bytes} bytes)"
-            )
-        return cls.create(layout, num_blocks, directory=directory)
-
-    @classmethod
     def attach(cls, path: Path | str, layout: KVLayout, num_blocks: int) -> SharedKVPool:
         """Maps a pool another process created; the mapping never unlinks the file.
 

@@ -43,7 +43,7 @@ class _Io:
     conn: socket.socket | None = None
 
 
-class StreamBackend(TransferBackend):
+class StreamTransferBackend(TransferBackend):
     kind: wire.Kind
     # How a cancelled sender hangs up: a pushing sender only reads its own memory and can
     # drop the connection at once; a sender whose blocks the peer is reading only half-closes

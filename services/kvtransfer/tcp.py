@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry
 
 from services.kvtransfer import wire
 from services.kvtransfer.blockbytes import byte_view, chunks, runs
-from services.kvtransfer.stream import Refused, StreamBackend
+from services.kvtransfer.stream import Refused, StreamTransferBackend
 from services.kvtransfer.types import AgentMetadata, ReceiveHandle, TransferHandle
 from shared.kvcache.pool import KVPool
 
 
-class TcpTransferBackend(StreamBackend):
+class TcpTransferBackend(StreamTransferBackend):
     name = "tcp"
     kind = wire.Kind.PUSH
 

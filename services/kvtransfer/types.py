@@ -99,10 +99,6 @@ class TransferStats:
     nbytes: int
     seconds: float
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
 
 @dataclass(eq=False, kw_only=True)
 class TransferHandle:

@@ -16,10 +16,6 @@ class Forecast:
     trend_per_s: float  # smoothed change per second
     predicted: float  # level + trend over the horizon, never negative
 
-    @property
-    def rising(self) -> bool:
-        return self.trend_per_s > 0
-
 
 def holt_forecast(
     points: Sequence[tuple[float, float]],

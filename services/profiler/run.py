@@ -11,10 +11,7 @@ from dataclasses import asdict, dataclass
 from services.profiler.costmodel import ReplicaProfile
 from services.profiler.fit import fit_decode, fit_prefill, fit_transfer
 from services.profiler.measure import measure_decode, measure_prefill, measure_transfer
-
-# What `splitserve up` gives a replica unless configured otherwise (WorkerConfig defaults).
-DEFAULT_KV_CACHE_BYTES = 256 << 20
-DEFAULT_CHUNK_TOKENS = 512
+from shared.config import engine_defaults as defaults
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,9 @@ def run_profile(
     model_path: str | None = None,
     threads: int = 1,
     quick: bool = False,
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    # What `splitserve up` gives a replica unless configured otherwise.
+    kv_cache_bytes: int = defaults.KV_CACHE_BYTES,
+    chunk_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
     progress: Callable[[str], None] = _stderr,
 ) -> ReplicaProfile:
     import torch

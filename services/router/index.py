@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.kvcache.events import KVEvent, Tier
-
-TIERS: tuple[Tier, ...] = ("device", "host", "disk")
+from shared.kvcache.events import KVEvent, KVTier
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class PrefixHit:
 
 @dataclass
 class ReplicaView:
-    held: dict[int, Tier] = field(default_factory=dict)
+    held: dict[int, KVTier] = field(default_factory=dict)
     last_seq: int = 0
     stale: bool = False  # a gap was seen; waiting for a snapshot
 
@@ -49,7 +47,7 @@ class ApplyResult:
 class KVIndex:
     def __init__(self) -> None:
         self._replicas: dict[str, ReplicaView] = {}
-        self._holders: dict[int, dict[str, Tier]] = {}
+        self._holders: dict[int, dict[str, KVTier]] = {}
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -135,11 +133,11 @@ class KVIndex:
     def replicas(self) -> list[str]:
         return sorted(self._replicas)
 
-    def held(self, replica: str) -> dict[int, Tier]:
+    def held(self, replica: str) -> dict[int, KVTier]:
         view = self._replicas.get(replica)
         return dict(view.held) if view else {}
 
-    def holders(self, block_hash: int) -> dict[str, Tier]:
+    def holders(self, block_hash: int) -> dict[str, KVTier]:
         return dict(self._holders.get(block_hash, {}))
 
     def prefix(self, replica: str, block_hashes: Sequence[int]) -> PrefixHit:
@@ -158,7 +156,7 @@ class KVIndex:
 
     def check_integrity(self) -> None:
         """The per-hash map is exactly the inverse of the per-replica maps."""
-        inverse: dict[int, dict[str, Tier]] = {}
+        inverse: dict[int, dict[str, KVTier]] = {}
         for replica, view in self._replicas.items():
             if view.stale and view.held:
                 raise AssertionError(f"stale replica {replica} still holds {len(view.held)}")

@@ -33,9 +33,9 @@ class PrefixCache:
         return len(self._device) + len(self._host)
 
     def match(self, block_ids: Sequence[int]) -> int:
-        return self.match_tiers(block_ids).blocks
+        return self.match_kv_tiers(block_ids).blocks
 
-    def match_tiers(self, block_ids: Sequence[int]) -> PrefixHit:
+    def match_kv_tiers(self, block_ids: Sequence[int]) -> PrefixHit:
         """Leading blocks held, by tier; stops at the first block held in neither."""
         device, host = self._device, self._host
         n_device = n_host = 0

@@ -114,12 +114,12 @@ def simulate(
         prompt = inputs[rid]
         ids = hash_ids[rid] if use_cache else ()
         if ids and router.uses_prefix:
-            hits = [p.cache.match_tiers(ids) for p in prefills]
+            hits = [p.cache.match_kv_tiers(ids) for p in prefills]
         else:
             hits = no_hits
         r = router.choose(prefills, now, prompt, hits, block_tokens)
         chosen = prefills[r]
-        hit = hits[r] if router.uses_prefix else chosen.cache.match_tiers(ids)
+        hit = hits[r] if router.uses_prefix else chosen.cache.match_kv_tiers(ids)
         if ids:
             chosen.cache.insert(ids)
         cached = cached_tokens(hit, block_tokens, prompt)

@@ -151,9 +151,9 @@ class KVArrivals:
                     await asyncio.wait_for(changed.wait(), max(0.0, deadline - self._now()))
                 except TimeoutError:
                     if entry.stage is Stage.EXPECTED:
-                        self._abandon(request_id, entry, "no PrepareReceive within the deadline")
+                        self._abandon(entry, "no PrepareReceive within the deadline")
         except asyncio.CancelledError:
-            self._abandon(request_id, entry, "the Decode call was cancelled")
+            self._abandon(entry, "the Decode call was cancelled")
             raise
         finally:
             entry.waiters -= 1
@@ -170,7 +170,7 @@ class KVArrivals:
         as soon as its receive ends; a waiting Decode call wakes with nothing."""
         entry = self._entries.get(request_id)
         if entry is not None:
-            self._abandon(request_id, entry, "cancelled")
+            self._abandon(entry, "cancelled")
 
     def expire(self) -> list[str]:
         """Frees landed KV whose Decode call never came and forgets old tombstones; returns
@@ -215,7 +215,7 @@ class KVArrivals:
 
     # ------------------------------------------------------------ helpers
 
-    def _abandon(self, request_id: str, entry: _Entry, reason: str) -> None:
+    def _abandon(self, entry: _Entry, reason: str) -> None:
         if entry.stage is Stage.LANDED:
             self._drop_table(entry)
         if entry.stage is not Stage.ABANDONED:

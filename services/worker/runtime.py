@@ -11,7 +11,7 @@ import socket
 import time
 from collections import OrderedDict
 
-from services.kvtransfer.factory import create_backend, create_pool
+from services.kvtransfer.factory import create_pool, create_transfer_backend
 from services.kvtransfer.interface import TransferBackend
 from services.worker.arrivals import PARKED_KV_TTL_S, KVArrivals
 from shared.config.schema import DeploymentConfig, ModelDeployment
@@ -91,9 +91,7 @@ class WorkerRuntime:
         self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
         # A cheaper build serves only if it passed the quality gate against fp32; `auto`
         # measures the eligible formats on this machine and serves the fastest per path.
-        model, self.format_choice = load_serving_model(
-            self.model_cfg.path, self.model_cfg.weights, threads=threads
-        )
+        model, _ = load_serving_model(self.model_cfg.path, self.model_cfg.weights, threads=threads)
         memory = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in model.memory_bytes().items())
         log.info(
             "%s weights: prefill %s, decode %s; memory: %s; KV %d MiB; host tier %d MiB "
@@ -125,7 +123,7 @@ class WorkerRuntime:
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
         self.async_engine = AsyncEngine(self.engine)
         options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
-        self.transfer: TransferBackend = create_backend(
+        self.transfer: TransferBackend = create_transfer_backend(
             self.transfer_kind, self.worker_id, **options
         )
         self.transfer.register_pool(pool)
@@ -134,7 +132,6 @@ class WorkerRuntime:
         self.faults = worker.fault_injection
         if self.faults.active:
             log.warning("FAULT INJECTION is on for %s: %s", self.worker_id, self.faults)
-        self.started_at = time.time()
 
     @property
     def tokenizer_fingerprint(self) -> str:

@@ -103,29 +103,29 @@ def default_prices() -> dict[TierName, Price]:
     }
 
 
-class RouterFallback(_Strict):
+class RouteFallback(_Strict):
     ttft_timeout: float = Field(gt=0, description="ms to the first token before the next model")
 
 
-class RouterCondition(_Strict):
+class RouteCondition(_Strict):
     when: str = Field(min_length=1, description="CEL over `request` (metadata, messages, user)")
     models: list[str] = Field(min_length=1)
 
 
-class RouterVariant(_Strict):
+class RouteVariant(_Strict):
     name: str = Field(min_length=1)
     weight: float = Field(ge=0)
     models: list[str] = Field(min_length=1)
 
 
-class SavedRouter(_Strict):
+class ModelRoute(_Strict):
     """Addressed as `model: "router/<name>"`: first matching condition, else a sticky A/B
     variant, else `models`; the chosen list is tried in order under `fallback`."""
 
     models: list[str] = Field(default_factory=list)
-    fallback: RouterFallback | None = None
-    conditions: list[RouterCondition] = Field(default_factory=list)
-    variants: list[RouterVariant] = Field(default_factory=list)
+    fallback: RouteFallback | None = None
+    conditions: list[RouteCondition] = Field(default_factory=list)
+    variants: list[RouteVariant] = Field(default_factory=list)
 
     @property
     def referenced_models(self) -> set[str]:
@@ -143,8 +143,8 @@ def compile_cel(expression: str) -> celpy.Runner:
     return env.program(env.compile(expression))
 
 
-def _check_routers(routers: dict[str, SavedRouter]) -> dict[str, SavedRouter]:
-    for name, router in routers.items():
+def _check_model_routes(routes: dict[str, ModelRoute]) -> dict[str, ModelRoute]:
+    for name, router in routes.items():
         if not name or "/" in name:
             raise ValueError(f"router name {name!r} must be non-empty and contain no '/'")
         if not router.models and not router.variants:
@@ -167,10 +167,10 @@ def _check_routers(routers: dict[str, SavedRouter]) -> dict[str, SavedRouter]:
                     f"router '{name}': condition {index} `{condition.when}` does not compile "
                     f"as CEL: {type(exc).__name__}: {exc}"
                 ) from exc
-    return routers
+    return routes
 
 
-Routers = Annotated[dict[str, SavedRouter], AfterValidator(_check_routers)]
+ModelRoutesConfig = Annotated[dict[str, ModelRoute], AfterValidator(_check_model_routes)]
 
 
 def _fill_prices(prices: dict[TierName, Price]) -> dict[TierName, Price]:

@@ -12,8 +12,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.config import engine_defaults as defaults
+from shared.config.engine_defaults import PreemptionMode
 from shared.config.faults import FaultInjection
-from shared.config.policy import ApiKeysConfig, Prices, Routers, TiersConfig
+from shared.config.policy import ApiKeysConfig, ModelRoutesConfig, Prices, TiersConfig
 from shared.config.router import RouterConfig
 from shared.config.speculative import SpeculativeConfig
 
@@ -44,17 +46,19 @@ class PoolsConfig(_Strict):
 
 
 class WorkerConfig(_Strict):
-    kv_cache_bytes: int = Field(256 * 1024**2, gt=0)
-    host_cache_bytes: int = Field(512 * 1024**2, ge=0)
-    disk_cache_bytes: int = Field(0, ge=0)
+    kv_cache_bytes: int = Field(defaults.KV_CACHE_BYTES, gt=0)
+    host_cache_bytes: int = Field(defaults.HOST_CACHE_BYTES, ge=0)
+    disk_cache_bytes: int = Field(defaults.DISK_CACHE_BYTES, ge=0)
     disk_cache_dir: str | None = None
-    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_batched_tokens: int = Field(defaults.MAX_NUM_BATCHED_TOKENS, ge=1)
     background_chunk_tokens: int | None = Field(
-        64, ge=1, description="prompt tokens per step for flex/batch requests; None = no cap"
+        defaults.BACKGROUND_CHUNK_TOKENS,
+        ge=1,
+        description="prompt tokens per step for flex/batch requests; None = no cap",
     )
-    max_num_seqs: int = Field(64, ge=1)
+    max_num_seqs: int = Field(defaults.MAX_NUM_SEQS, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads; default: cores / workers")
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    preemption_mode: PreemptionMode = defaults.PREEMPTION_MODE
     fault_injection: FaultInjection = FaultInjection()  # test-only; off by default
 
 
@@ -62,7 +66,7 @@ class ModelDeployment(_Strict):
     id: str = "SmolLM2-135M-Instruct"
     path: str | None = Field(None, description="GGUF file or HF folder; None = bundled SmolLM2")
     # bf16 passed the quality gate for the bundled model (report shipped in shared/quality/reports).
-    weights: WeightsName = "auto"
+    weights: WeightsName = defaults.WEIGHTS
     max_model_len: int | None = Field(None, ge=16)
     pools: PoolsConfig = PoolsConfig()
     worker: WorkerConfig = WorkerConfig()
@@ -120,7 +124,9 @@ class TelemetryConfig(_Strict):
 
 
 class DeploymentConfig(_Strict):
-    block_size: int = Field(16, description="tokens per KV block; router and workers must agree")
+    block_size: int = Field(
+        defaults.BLOCK_SIZE, description="tokens per KV block; router and workers must agree"
+    )
     models: list[ModelDeployment] = Field(default_factory=lambda: [ModelDeployment()], min_length=1)
     transfer: TransferConfig = TransferConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
@@ -129,7 +135,7 @@ class DeploymentConfig(_Strict):
     tiers: TiersConfig = TiersConfig()
     api_keys: ApiKeysConfig = ApiKeysConfig()
     prices: Prices = Field(default_factory=dict, validate_default=True)
-    routers: Routers = Field(default_factory=dict)
+    routers: ModelRoutesConfig = Field(default_factory=dict)
     router: RouterConfig = RouterConfig()
 
     @field_validator("block_size")

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.config import engine_defaults as defaults
+
 SpecMethod = Literal["none", "ngram", "draft", "adaptive"]
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -13,15 +15,16 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: SpecMethod = "none"
+    method: SpecMethod = defaults.SPECULATIVE_METHOD
     num_speculative_tokens: int = Field(
-        4, description=f"most drafted tokens verified per step, 0..{MAX_SPECULATIVE_TOKENS}"
+        defaults.NUM_SPECULATIVE_TOKENS,
+        description=f"most drafted tokens verified per step, 0..{MAX_SPECULATIVE_TOKENS}",
     )
     draft_path: str | None = Field(
         None, description="trained draft file; None = the default location beside the model"
     )
-    ngram_max: int = Field(4, ge=1, le=16)
-    ngram_min: int = Field(1, ge=1, le=16)
+    ngram_max: int = Field(defaults.NGRAM_MAX, ge=1, le=16)
+    ngram_min: int = Field(defaults.NGRAM_MIN, ge=1, le=16)
 
     @field_validator("num_speculative_tokens")
     @classmethod

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from shared.config import engine_defaults as defaults
+from shared.config.engine_defaults import PreemptionMode
 from shared.config.speculative import MAX_SPECULATIVE_TOKENS, SpecMethod
 from shared.model.formats import SERVING_FORMATS
-
-PreemptionMode = Literal["recompute", "swap"]
-
 
 # Scheduling priorities at or above this are background work (service tiers flex and batch).
 BACKGROUND_PRIORITY = 2
@@ -17,31 +15,34 @@ BACKGROUND_PRIORITY = 2
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Defaults are the deployment schema's, from shared/config/engine_defaults.py, except its
+    LIBRARY_* ones (the weights and the KV host tier; the reasons are there).
+    tests/unit/test_config_defaults.py holds every shared field to that."""
+
     model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2
-    weights: str = "fp32"  # one of SERVING_FORMATS; `auto` is chosen by measurement
-    block_size: int = 16
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    weights: str = defaults.LIBRARY_WEIGHTS  # one of SERVING_FORMATS; `auto` is measured
+    block_size: int = defaults.BLOCK_SIZE
+    kv_cache_bytes: int = defaults.KV_CACHE_BYTES
     num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
-    host_cache_bytes: int = 0  # second tier; 0 disables it
+    host_cache_bytes: int = defaults.LIBRARY_HOST_CACHE_BYTES  # KV host tier; 0 disables it
     disk_cache_dir: str | None = None
-    disk_cache_bytes: int = 0  # third tier; needs a host tier and a directory
-    max_num_batched_tokens: int = 512  # chunked-prefill token budget per step
-    # Prompt chunks of background tiers (flex, batch: priority >= BACKGROUND_PRIORITY) are cut
-    # to this many tokens a step, so a priority or default request that arrives mid-step
-    # waits behind a short step, not a full budget of batch prefill. None = no cap.
-    background_chunk_tokens: int | None = 64
-    max_num_seqs: int = 64
+    disk_cache_bytes: int = defaults.DISK_CACHE_BYTES  # KV disk tier; needs host tier and dir
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS  # chunked-prefill budget/step
+    # Prompt chunks of background service tiers (priority >= BACKGROUND_PRIORITY) are cut to
+    # this many tokens a step. None = no cap.
+    background_chunk_tokens: int | None = defaults.BACKGROUND_CHUNK_TOKENS
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_model_len: int | None = None  # defaults to the model's context length
-    preemption_mode: PreemptionMode = "recompute"
+    preemption_mode: PreemptionMode = defaults.PREEMPTION_MODE
     num_threads: int | None = None
     device: str = "cpu"
     seed: int = 0
     # Speculative decoding (decode phase only): see shared/speculative.
-    speculative_method: SpecMethod = "none"
-    num_speculative_tokens: int = 4
+    speculative_method: SpecMethod = defaults.SPECULATIVE_METHOD
+    num_speculative_tokens: int = defaults.NUM_SPECULATIVE_TOKENS
     draft_path: str | None = None  # None = draft_path_for(model)
-    ngram_max: int = 4
-    ngram_min: int = 1
+    ngram_max: int = defaults.NGRAM_MAX
+    ngram_min: int = defaults.NGRAM_MIN
 
     def __post_init__(self) -> None:
         if self.weights not in SERVING_FORMATS:

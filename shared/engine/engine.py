@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -13,14 +12,14 @@ from shared.engine.config import EngineConfig
 from shared.engine.model_setup import load_serving_model
 from shared.engine.output import RequestOutput
 from shared.engine.runner import ModelRunner, StepResult
-from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from shared.engine.scheduler import ScheduledSeq, Scheduler, StepBatch
 from shared.engine.sequence import SeqStatus, Sequence
 from shared.engine.speculator_build import build_speculator
 from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.disk_tier import DiskTier
+from shared.kvcache.disk_kv_tier import DiskKVTier
+from shared.kvcache.host_kv_tier import HostKVTier
 from shared.kvcache.pool import KVPool
 from shared.kvcache.tables import BlockTable
-from shared.kvcache.tiers import HostTier
 from shared.model.llama import LlamaModel
 from shared.sampling.batch import make_generator
 from shared.sampling.logprob import TokenLogprob
@@ -54,9 +53,8 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.format_choice = None
         if model is None:
-            model, self.format_choice = load_serving_model(
+            model, _ = load_serving_model(
                 config.model, config.weights, config.device, config.num_threads
             )
         self.model = model
@@ -80,10 +78,10 @@ class Engine:
         if config.host_cache_bytes > 0:
             disk = None
             if config.disk_cache_bytes > 0 and config.disk_cache_dir:
-                disk = DiskTier(
+                disk = DiskKVTier(
                     config.disk_cache_dir, max(1, config.disk_cache_bytes // layout.block_bytes)
                 )
-            host = HostTier(
+            host = HostKVTier(
                 max(1, config.host_cache_bytes // layout.block_bytes),
                 layout.block_shape,
                 layout.dtype,
@@ -96,7 +94,7 @@ class Engine:
             self.pool.num_blocks,
             config.block_size,
             salt=salt,
-            host_tier=host,
+            host_kv_tier=host,
             pool=self.pool,
             event_sink=event_sink,
         )
@@ -116,9 +114,9 @@ class Engine:
         # by the coordinator): the figure cancellation tests and operators check.
         self.num_aborted = 0
         self.stop_token_ids: frozenset[int] = tokenizer.stop_token_ids if tokenizer else frozenset()
-        # Called on the engine thread after every non-empty step with (plan, start_ns, end_ns)
+        # Called on the engine thread after every non-empty step with (batch, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
-        self.step_observers: list[Callable[[SchedulerOutput, int, int], None]] = []
+        self.step_observers: list[Callable[[StepBatch, int, int], None]] = []
 
     # -- requests ------------------------------------------------------------------------
 
@@ -268,30 +266,30 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start_ns = time.time_ns()
         if self.speculator.enabled:
-            self.speculator.plan(self.scheduler.running)
-        plan: SchedulerOutput = self.scheduler.schedule()
-        if plan.is_empty:
+            self.speculator.attach_drafts(self.scheduler.running)
+        batch: StepBatch = self.scheduler.schedule()
+        if batch.is_empty:
             return []
         want = {
-            i for i, s in enumerate(plan.scheduled) if s.seq.request_id in self._prompt_logprobs
+            i for i, s in enumerate(batch.scheduled) if s.seq.request_id in self._prompt_logprobs
         }
         run_start = time.perf_counter()
-        result = self.runner.run(plan.scheduled, want)
+        result = self.runner.run(batch.scheduled, want)
         if self.speculator.enabled and all(
-            s.num_tokens - s.num_draft == 1 and s.completes_prompt for s in plan.scheduled
+            s.num_tokens - s.num_draft == 1 and s.completes_prompt for s in batch.scheduled
         ):
             # A pure decode/verify step: what the adaptive controller prices k with.
-            self.speculator.observe_step(plan.num_batched_tokens, time.perf_counter() - run_start)
-        outputs = self._postprocess(plan, result)
+            self.speculator.observe_step(batch.num_batched_tokens, time.perf_counter() - run_start)
+        outputs = self._postprocess(batch, result)
         if self.step_observers:
             end_ns = time.time_ns()
             for observe in self.step_observers:
-                observe(plan, start_ns, end_ns)
+                observe(batch, start_ns, end_ns)
         return outputs
 
-    def _postprocess(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _postprocess(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
-        for index, item in enumerate(plan.scheduled):
+        for index, item in enumerate(batch.scheduled):
             seq = item.seq
             if index in result.prompt_logprobs:
                 self._prompt_logprobs[seq.request_id].extend(result.prompt_logprobs[index])
@@ -408,7 +406,3 @@ class Engine:
         for out in self.run_until_done():
             results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
-
-
-def default_num_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 16))

@@ -32,7 +32,9 @@ class ScheduledSeq:
 
 
 @dataclass
-class SchedulerOutput:
+class StepBatch:
+    """What one engine step computes (the scheduler's decision), and whom it preempted."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
@@ -82,8 +84,8 @@ class Scheduler:
             self.blocks.free(seq.table)
             seq.table = None
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepBatch:
+        out = StepBatch()
         budget = self.config.max_num_batched_tokens
         queue = sorted(self.running, key=Sequence.sort_key)
         # A prompt of the most urgent tier with prefill pending gets the step to itself (with
@@ -149,7 +151,7 @@ class Scheduler:
             seq.draft = type(seq.draft)(seq.draft.token_ids[:k], probs)
         return k
 
-    def _grow(self, seq: Sequence, n: int, queue: list[Sequence], out: SchedulerOutput) -> bool:
+    def _grow(self, seq: Sequence, n: int, queue: list[Sequence], out: StepBatch) -> bool:
         """Make room for n more tokens, preempting the least important others if needed."""
         assert seq.table is not None, f"running sequence {seq.request_id} has no blocks"
         target = max(seq.table.num_tokens, seq.num_computed_tokens + n)
@@ -161,14 +163,14 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _admit(self, seq: Sequence, out: StepBatch) -> bool:
         while True:
             if self._try_allocate(seq):
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SeqStatus.RUNNING
                 return True
-            victim = self._lower_priority_victim(seq, out)
+            victim = self._lower_priority_victim(seq)
             if victim is None:
                 return False
             self._unschedule(victim, out)
@@ -190,14 +192,14 @@ class Scheduler:
             seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
         return True
 
-    def _lower_priority_victim(self, seq: Sequence, out: SchedulerOutput) -> Sequence | None:
+    def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
         candidates = [r for r in self.running if r.priority > seq.priority]
         return max(candidates, key=Sequence.sort_key) if candidates else None
 
-    def _unschedule(self, victim: Sequence, out: SchedulerOutput) -> None:
+    def _unschedule(self, victim: Sequence, out: StepBatch) -> None:
         out.scheduled = [s for s in out.scheduled if s.seq is not victim]
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: StepBatch) -> None:
         assert seq.table is not None
         seq.num_preemptions += 1
         swapped = None

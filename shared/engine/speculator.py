@@ -26,7 +26,7 @@ from shared.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
-# k + 1 query tokens must stay on the attention backend's batched (padded) path.
+# k + 1 query tokens must stay on the attention kernel's batched (padded) path.
 MAX_VERIFY_DRAFTS = 15
 # Seconds of drafting per proposed token assumed before a model draft has been timed.
 PRIOR_DRAFT_COST = 0.002
@@ -57,7 +57,8 @@ class Speculator:
         self.cost = StepCostModel()
         self._draft_cost: float | None = None
         self._calibrate: Callable[[], dict[int, float]] | None = None
-        # Acceptance is tracked per n-gram match length ("ngram:3"): set at plan, read at record.
+        # Acceptance is tracked per n-gram match length ("ngram:3"): set with the drafts, read at
+        # record.
         self._alpha_keys: dict[str, str] = {}
 
     def set_calibration(self, measure: Callable[[], dict[int, float]]) -> None:
@@ -68,7 +69,7 @@ class Speculator:
     def enabled(self) -> bool:
         return self.method != "none" and self.max_k > 0
 
-    def plan(self, running: list[Sequence]) -> None:
+    def attach_drafts(self, running: list[Sequence]) -> None:
         """Attach drafts to the decoding sequences in ``running`` (clearing stale ones)."""
         if self._calibrate is not None and self.method == "adaptive":
             for n, seconds in self._calibrate().items():

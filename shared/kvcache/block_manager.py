@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shared.kvcache.device_blocks import DeviceBlocks
-from shared.kvcache.events import KVEvent, KVEventLog, Tier
+from shared.kvcache.events import KVEvent, KVEventLog, KVTier
 from shared.kvcache.hashing import block_hash, hash_prompt_blocks
+from shared.kvcache.host_kv_tier import HostKVTier
 from shared.kvcache.pool import KVPool
 from shared.kvcache.stats import PrefixCacheStats
 from shared.kvcache.swap import SwapSpace
@@ -37,7 +38,6 @@ from shared.kvcache.tables import (
     PrefixMatch,
     SwappedBlocks,
 )
-from shared.kvcache.tiers import HostTier
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -50,7 +50,7 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         salt: bytes = b"",
-        host_tier: HostTier | None = None,
+        host_kv_tier: HostKVTier | None = None,
         pool: KVPool | None = None,
         event_sink: Callable[[KVEvent], None] | None = None,
         event_history: int = 4096,
@@ -64,28 +64,29 @@ class BlockManager:
                 f"KV pool has {pool.num_blocks} blocks of {pool.layout.block_size} tokens, "
                 f"block manager wants {num_blocks} of {block_size}"
             )
-        if host_tier is not None:
+        if host_kv_tier is not None:
             if pool is None:
                 raise ValueError("a host tier needs the KV pool to copy block data through")
-            if (host_tier.block_shape, host_tier.dtype) != (
+            if (host_kv_tier.block_shape, host_kv_tier.dtype) != (
                 pool.layout.block_shape,
                 pool.layout.dtype,
             ):
                 raise ValueError(
-                    f"host tier blocks {host_tier.block_shape}/{host_tier.dtype} do not match "
+                    f"host tier blocks {host_kv_tier.block_shape}/{host_kv_tier.dtype} "
+                    "do not match "
                     f"the pool's {pool.layout.block_shape}/{pool.layout.dtype}"
                 )
         self.block_size = block_size
         self.salt = salt
         self.pool = pool
-        self.host_tier = host_tier
+        self.host_kv_tier = host_kv_tier
         self.events = KVEventLog(event_sink, event_history)
-        if host_tier is not None:
-            host_tier.attach_events(self.events)
+        if host_kv_tier is not None:
+            host_kv_tier.attach_events(self.events)
         self.stats = PrefixCacheStats()
-        self._device = DeviceBlocks(num_blocks, self.events, self._spill if host_tier else None)
+        self._device = DeviceBlocks(num_blocks, self.events, self._spill if host_kv_tier else None)
         self._tables: dict[int, BlockTable] = {}
-        self._swap = SwapSpace(host_tier) if host_tier is not None else None
+        self._swap = SwapSpace(host_kv_tier) if host_kv_tier is not None else None
         self._next_id = 0
 
     # -- capacity ------------------------------------------------------------------------
@@ -124,15 +125,15 @@ class BlockManager:
 
     # -- prefix lookup -------------------------------------------------------------------
 
-    def _locate(self, block_hash_: int) -> Tier | None:
+    def _locate(self, block_hash_: int) -> KVTier | None:
         if self._device.lookup(block_hash_) is not None:
             return "device"
-        return self.host_tier.locate(block_hash_) if self.host_tier is not None else None
+        return self.host_kv_tier.locate(block_hash_) if self.host_kv_tier is not None else None
 
     def _match(self, token_ids: Sequence[int], max_blocks: int) -> PrefixMatch:
         prefix = token_ids[: max_blocks * self.block_size]
         hashes: list[int] = []
-        tiers: list[Tier] = []
+        tiers: list[KVTier] = []
         for h in hash_prompt_blocks(prefix, self.block_size, self.salt):
             tier = self._locate(h)
             if tier is None:
@@ -144,8 +145,8 @@ class BlockManager:
     def cached_hashes(self) -> dict[str, list[int]]:
         """Every block hash held per tier: what a router rebuilds its index from on resync."""
         out = {"device": self._device.cached_hashes(), "host": [], "disk": []}
-        if self.host_tier is not None:
-            out.update(self.host_tier.cached_hashes())
+        if self.host_kv_tier is not None:
+            out.update(self.host_kv_tier.cached_hashes())
         return out
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
@@ -174,7 +175,7 @@ class BlockManager:
         lower = [i for i, tier in enumerate(match.tiers) if tier != "device"]
         # Read lower-tier data before taking blocks: evicting device blocks spills into the
         # host tier, which may push these very entries down to disk or out.
-        data = self.host_tier.load([match.block_hashes[i] for i in lower]) if lower else None
+        data = self.host_kv_tier.load([match.block_hashes[i] for i in lower]) if lower else None
         block_ids = self._take(total, hits)
         if data is not None:
             self._fill(block_ids, lower, data, match.block_hashes)
@@ -373,8 +374,8 @@ class BlockManager:
         self._device.register([(block_ids[i], block_hashes[i]) for i in committed])
 
     def _spill(self, hashes: list[int], block_ids: list[int]) -> None:
-        assert self.host_tier is not None and self.pool is not None
-        self.host_tier.store(hashes, self.pool.read_blocks(block_ids))
+        assert self.host_kv_tier is not None and self.pool is not None
+        self.host_kv_tier.store(hashes, self.pool.read_blocks(block_ids))
         self.stats.spilled_blocks += len(hashes)
 
     def check_integrity(self) -> None:

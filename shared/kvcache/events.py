@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-Tier = Literal["device", "host", "disk"]
+KVTier = Literal["device", "host", "disk"]
 EventKind = Literal["stored", "removed"]
 
 
@@ -21,7 +21,7 @@ EventKind = Literal["stored", "removed"]
 class KVEvent:
     kind: EventKind
     block_hashes: tuple[int, ...]
-    tier: Tier
+    tier: KVTier
     seq: int
 
 
@@ -40,7 +40,7 @@ class KVEventLog:
         """Sequence number of the newest event; 0 before the first one."""
         return self._last_seq
 
-    def emit(self, kind: EventKind, tier: Tier, block_hashes: list[int]) -> KVEvent | None:
+    def emit(self, kind: EventKind, tier: KVTier, block_hashes: list[int]) -> KVEvent | None:
         if not block_hashes:
             return None
         self._last_seq += 1
@@ -50,7 +50,7 @@ class KVEventLog:
             self._sink(event)
         return event
 
-    def emit_changes(self, tier: Tier, changes: list[tuple[EventKind, int]]) -> None:
+    def emit_changes(self, tier: KVTier, changes: list[tuple[EventKind, int]]) -> None:
         """Emit ordered (kind, hash) changes, one event per run of the same kind.
 
         Order matters: a hash removed and then stored again in one batch must end up stored.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass
-class TierStats:
+class KVTierStats:
     """Traffic of one lower tier (host or disk); bytes are payload bytes copied."""
 
     stored_blocks: int = 0
@@ -26,7 +26,3 @@ class PrefixCacheStats:
     host_hit_blocks: int = 0
     disk_hit_blocks: int = 0
     spilled_blocks: int = 0  # device blocks copied to the host tier on eviction
-
-    @property
-    def hit_blocks(self) -> int:
-        return self.device_hit_blocks + self.host_hit_blocks + self.disk_hit_blocks

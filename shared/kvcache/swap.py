@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.kvcache.host_kv_tier import HostKVTier
 from shared.kvcache.tables import KVIntegrityError, SwappedBlocks
-from shared.kvcache.tiers import HostTier
 
 
 class SwapSpace:
-    def __init__(self, host_tier: HostTier):
-        self.host_tier = host_tier
+    def __init__(self, host_kv_tier: HostKVTier):
+        self.host_kv_tier = host_kv_tier
         self._swapped: dict[int, SwappedBlocks] = {}
 
     def __len__(self) -> int:
@@ -28,11 +28,11 @@ class SwapSpace:
         self, swap_id: int, data: torch.Tensor, num_tokens: int, block_hashes: Sequence[int]
     ) -> SwappedBlocks | None:
         """Copy ``data`` (one row per block) into reserved slots; None (no change) if full."""
-        slots = self.host_tier.reserve_slots(data.shape[0])
+        slots = self.host_kv_tier.reserve_slots(data.shape[0])
         if slots is None:
             return None
         if slots:
-            self.host_tier.write_slots(slots, data)
+            self.host_kv_tier.write_slots(slots, data)
         swapped = SwappedBlocks(swap_id, tuple(slots), num_tokens, tuple(block_hashes))
         self._swapped[swap_id] = swapped
         return swapped
@@ -44,15 +44,15 @@ class SwapSpace:
     def read(self, swapped: SwappedBlocks, indices: Sequence[int]) -> torch.Tensor:
         """Copies of the parked blocks at ``indices`` (positions in the sequence)."""
         self.check_parked(swapped)
-        return self.host_tier.read_slots([swapped.host_slots[i] for i in indices])
+        return self.host_kv_tier.read_slots([swapped.host_slots[i] for i in indices])
 
     def release(self, swapped: SwappedBlocks) -> None:
         self.check_parked(swapped)
-        self.host_tier.release_slots(swapped.host_slots)
+        self.host_kv_tier.release_slots(swapped.host_slots)
         del self._swapped[swapped.swap_id]
 
     def check_integrity(self) -> None:
         slots = [slot for s in self._swapped.values() for slot in s.host_slots]
         if len(set(slots)) != len(slots):
             raise KVIntegrityError(f"two swapped sequences share host slots: {sorted(slots)}")
-        self.host_tier.check_integrity(set(slots))
+        self.host_kv_tier.check_integrity(set(slots))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.kvcache.events import Tier
+from shared.kvcache.events import KVTier
 
 
 class KVIntegrityError(AssertionError):
@@ -31,10 +31,6 @@ class BlockTable:
         """Tokens the allocated blocks can hold (num_tokens plus any lookahead slack)."""
         return len(self.block_ids) * self.block_size
 
-    @property
-    def num_committed_tokens(self) -> int:
-        return len(self.block_hashes) * self.block_size
-
     def check_shape(self) -> None:
         """Invariants of the table alone (the manager checks it against the blocks)."""
         if self.capacity < self.num_tokens:
@@ -57,7 +53,7 @@ class PrefixMatch:
 
     block_size: int
     block_hashes: tuple[int, ...]
-    tiers: tuple[Tier, ...]
+    tiers: tuple[KVTier, ...]
 
     @property
     def num_blocks(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_backend import AttentionBackend
+from kernels.attention_kernel import AttentionKernel
 from kernels.attention_metadata import AttentionMetadata
 from kernels.torch_attention import TorchPagedAttention
 from shared.kvcache.pool import KVLayout, KVPool
@@ -128,7 +128,7 @@ class LlamaModel:
         checkpoint: Checkpoint,
         weights: ModelFormat = "fp32",
         device: str | torch.device = "cpu",
-        attention: AttentionBackend | None = None,
+        attention: AttentionKernel | None = None,
         decode_weights: ModelFormat | None = None,
     ):
         cfg = checkpoint.config

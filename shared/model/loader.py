@@ -1,4 +1,4 @@
-"""Find and load a model: the bundled SmolLM2 by default, or any GGUF file / HF folder."""
+"""Find and read a checkpoint: the bundled SmolLM2 by default, or any GGUF file / HF folder."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from pathlib import Path
 
 from shared.model.gguf_file import Checkpoint, read_gguf
 from shared.model.hf_folder import read_hf_folder
-from shared.model.linear import WeightFormat
-from shared.model.llama import LlamaModel
 from shared.modelfile.config import ModelFileError
 from shared.modelfile.default import default_model_path
 
@@ -27,9 +25,3 @@ def read_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
 def _has_gguf_magic(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
-
-
-def load_model(
-    path: str | os.PathLike | None = None, weights: WeightFormat = "fp32", device: str = "cpu"
-) -> LlamaModel:
-    return LlamaModel(read_checkpoint(path), weights=weights, device=device)

@@ -45,10 +45,3 @@ class ModelConfig:
     @property
     def gqa_group(self) -> int:
         return self.num_heads // self.num_kv_heads
-
-    @property
-    def num_params(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size

@@ -57,10 +57,6 @@ class DraftConfig:
         data["source_layers"] = tuple(data["source_layers"])
         return cls(**data)
 
-    @property
-    def unk_id(self) -> int:
-        return self.vocab_size
-
 
 @dataclass
 class BatchKV:

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.engine.engine import Engine
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler import StepBatch
 from shared.telemetry.engine_steps import is_prefill_step
 
 # Scheduling priority (GenerateSpec.priority) -> the OpenAI service tier it came from.
@@ -104,18 +104,18 @@ class EngineMetrics:
         self.engine = engine
         registry.register(EngineStateCollector(engine, model, role))
 
-    def __call__(self, plan: SchedulerOutput, start_ns: int, end_ns: int) -> None:
+    def __call__(self, batch: StepBatch, start_ns: int, end_ns: int) -> None:
         labels = self.labels
         for draft_tokens, accepted in self.engine.speculator.stats.drain():
             self.observe_speculation(draft_tokens, accepted)
-        self.batch_size.labels(*labels).observe(len(plan.scheduled))
-        self.iteration_tokens.labels(*labels).observe(plan.num_batched_tokens)
+        self.batch_size.labels(*labels).observe(len(batch.scheduled))
+        self.iteration_tokens.labels(*labels).observe(batch.num_batched_tokens)
         self.step_seconds.labels(*labels).observe((end_ns - start_ns) / 1e9)
-        if plan.preempted:
-            self.preemptions.labels(*labels).inc(len(plan.preempted))
+        if batch.preempted:
+            self.preemptions.labels(*labels).inc(len(batch.preempted))
         step_start = time.monotonic() - (end_ns - start_ns) / 1e9
         computed = 0
-        for item in plan.scheduled:
+        for item in batch.scheduled:
             seq = item.seq
             if not is_prefill_step(seq, item.num_tokens):
                 continue

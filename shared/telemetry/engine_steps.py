@@ -14,16 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler import StepBatch
 from shared.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-# (plan, step start, step end) in wall-clock nanoseconds, after the step's postprocessing.
-StepObserver = Callable[[SchedulerOutput, int, int], None]
-
-# What one step tells the metrics; the metrics object decides what to keep.
-StepMetricsSink = Callable[[SchedulerOutput, int, int], None]
+# What one step tells the metrics: its batch, and the step's start and end in wall-clock ns
+# (after postprocessing); the metrics object decides what to keep.
+StepMetricsSink = Callable[[StepBatch, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -53,10 +51,6 @@ class RequestTimeline:
     def mean_decode_batch(self) -> float | None:
         return self.decode_batch_sum / self.decode_steps if self.decode_steps else None
 
-    @property
-    def computed_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 def is_prefill_step(seq: Sequence, num_tokens: int) -> bool:
     """Whether a step that just computed `num_tokens` for `seq` was (part of) its prefill."""
@@ -77,22 +71,22 @@ class StepRecorder:
     def unwatch(self, request_id: str) -> None:
         self._watched.pop(request_id, None)
 
-    def __call__(self, plan: SchedulerOutput, start_ns: int, end_ns: int) -> None:
+    def __call__(self, batch: StepBatch, start_ns: int, end_ns: int) -> None:
         # Runs inside the engine's step: a bug here must cost observability, not requests.
         try:
-            self._observe(plan, start_ns, end_ns)
+            self._observe(batch, start_ns, end_ns)
         except Exception:
             if not self._failed:
                 self._failed = True
                 log.exception("step observer failed; later failures are not logged")
 
-    def _observe(self, plan: SchedulerOutput, start_ns: int, end_ns: int) -> None:
+    def _observe(self, batch: StepBatch, start_ns: int, end_ns: int) -> None:
         if self.metrics is not None:
-            self.metrics(plan, start_ns, end_ns)
+            self.metrics(batch, start_ns, end_ns)
         if not self._watched:
             return
-        batch, tokens = len(plan.scheduled), plan.num_batched_tokens
-        for item in plan.scheduled:
+        batch_size, tokens = len(batch.scheduled), batch.num_batched_tokens
+        for item in batch.scheduled:
             timeline = self._watched.get(item.seq.request_id)
             if timeline is None:
                 continue
@@ -103,11 +97,11 @@ class StepRecorder:
                 timeline.num_chunks += 1
                 if len(timeline.chunks) < RequestTimeline.MAX_CHUNKS:
                     timeline.chunks.append(
-                        ChunkRecord(start_ns, end_ns, item.num_tokens, batch, tokens)
+                        ChunkRecord(start_ns, end_ns, item.num_tokens, batch_size, tokens)
                     )
             else:
                 timeline.decode_steps += 1
-                timeline.decode_batch_sum += batch
+                timeline.decode_batch_sum += batch_size
                 if timeline.first_decode_ns is None:
                     timeline.first_decode_ns = start_ns
                 timeline.last_decode_ns = end_ns

@@ -10,7 +10,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACEPARENT = "traceparent"
 TRACE_ID_HEADER = "x-trace-id"
 
 # Stateless: one instance serves every call.

@@ -39,10 +39,6 @@ class SpanRecord:
     resource: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
-    @property
     def is_error(self) -> bool:
         return self.status == "ERROR"
 

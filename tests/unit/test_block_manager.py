@@ -14,9 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.events import KVEvent
 from shared.kvcache.hashing import block_hash, hash_prompt_blocks
+from shared.kvcache.host_kv_tier import DiskKVTier, HostKVTier
 from shared.kvcache.pool import KVLayout, KVPool
 from shared.kvcache.tables import BlockTable, KVIntegrityError, SwappedBlocks
-from shared.kvcache.tiers import DiskTier, HostTier
 
 BS = 4
 
@@ -32,8 +32,8 @@ def snapshot(m: BlockManager) -> tuple:
         m.events.last_seq,
         {i: (list(t.block_ids), t.num_tokens, list(t.block_hashes)) for i, t in m._tables.items()},
     )
-    if m.host_tier is not None:
-        host = m.host_tier
+    if m.host_kv_tier is not None:
+        host = m.host_kv_tier
         state += (list(host._lru.items()), list(host._free_slots), set(host._reserved))
         if host.disk is not None:
             state += (list(host.disk._lru),)
@@ -302,7 +302,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.directory = tempfile.mkdtemp(prefix="kvdisk-")
         self.pool = KVPool(LAYOUT, 6)
-        host = HostTier(4, LAYOUT.block_shape, LAYOUT.dtype, DiskTier(self.directory, 6))
+        host = HostKVTier(4, LAYOUT.block_shape, LAYOUT.dtype, DiskKVTier(self.directory, 6))
         self.events: list[KVEvent] = []
         self.m = BlockManager(6, BS, b"t", host, self.pool, self.events.append)
         self.live: list[tuple[BlockTable, list[int]]] = []
@@ -435,7 +435,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 index[e.tier].update(e.block_hashes)
             else:
                 index[e.tier].difference_update(e.block_hashes)
-        host = self.m.host_tier
+        host = self.m.host_kv_tier
         assert host is not None and host.disk is not None
         assert index["device"] == set(self.m._device._hash_to_block)
         assert index["host"] == set(host._lru)

@@ -10,8 +10,8 @@ import torch
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.events import KVEvent, KVEventLog
 from shared.kvcache.hashing import hash_prompt_blocks
+from shared.kvcache.host_kv_tier import DiskKVTier, HostKVTier
 from shared.kvcache.pool import KVLayout, KVPool
-from shared.kvcache.tiers import DiskTier, HostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 SALT = b"test-model"
@@ -25,7 +25,7 @@ DEVICES = [
 
 def make_manager(tmp_path: Path, device=4, host=2, disk=3, where="cpu"):
     pool = KVPool(LAYOUT, device, device=where)
-    tier = HostTier(host, LAYOUT.block_shape, LAYOUT.dtype, DiskTier(tmp_path / "kv", disk))
+    tier = HostKVTier(host, LAYOUT.block_shape, LAYOUT.dtype, DiskKVTier(tmp_path / "kv", disk))
     events: list[KVEvent] = []
     manager = BlockManager(device, LAYOUT.block_size, SALT, tier, pool, events.append)
     return manager, pool, tier, events
@@ -197,7 +197,7 @@ def test_swap_out_refuses_when_host_cannot_reserve(tmp_path):
 
 
 def test_host_tier_drops_blocks_when_every_slot_is_reserved():
-    host = HostTier(2, LAYOUT.block_shape, LAYOUT.dtype)
+    host = HostKVTier(2, LAYOUT.block_shape, LAYOUT.dtype)
     data = torch.randn((2, *LAYOUT.block_shape))
     host.store([1, 2], data)
     slots = host.reserve_slots(2)
@@ -215,14 +215,14 @@ def test_host_tier_drops_blocks_when_every_slot_is_reserved():
 
 
 def test_a_failing_disk_drops_blocks_instead_of_failing(tmp_path, monkeypatch):
-    disk = DiskTier(tmp_path / "kv", capacity_blocks=4)
-    host = HostTier(1, LAYOUT.block_shape, LAYOUT.dtype, disk)
+    disk = DiskKVTier(tmp_path / "kv", capacity_blocks=4)
+    host = HostKVTier(1, LAYOUT.block_shape, LAYOUT.dtype, disk)
     data = torch.randn((2, *LAYOUT.block_shape))
 
     def disk_full(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("shared.kvcache.disk_tier.os.replace", disk_full)
+    monkeypatch.setattr("shared.kvcache.disk_kv_tier.os.replace", disk_full)
     host.store([1, 2], data)  # storing 2 evicts 1, whose spill to disk fails
     assert host.locate(1) is None and host.locate(2) == "host"
     assert host.stats.evicted_blocks == 1 and host.stats.spilled_blocks == 0
@@ -235,7 +235,7 @@ def test_disk_tier_round_trips_bf16_and_evicts_lru(tmp_path):
     directory.mkdir()
     (directory / "00000000000000ff.kv").write_bytes(b"left over by an earlier process")
     (directory / "notes.txt").write_text("not ours")
-    disk = DiskTier(directory, capacity_blocks=2)
+    disk = DiskKVTier(directory, capacity_blocks=2)
     assert sorted(p.name for p in directory.iterdir()) == ["notes.txt"]
 
     shape = (2, 3, 5)
@@ -257,10 +257,12 @@ def test_disk_tier_round_trips_bf16_and_evicts_lru(tmp_path):
 
 def test_incompatible_tiers_are_refused(tmp_path):
     pool = KVPool(LAYOUT, 4)
-    wrong = HostTier(2, (1, 2, 4, 2, 4), LAYOUT.dtype)
+    wrong = HostKVTier(2, (1, 2, 4, 2, 4), LAYOUT.dtype)
     with pytest.raises(ValueError, match="do not match"):
-        BlockManager(4, LAYOUT.block_size, host_tier=wrong, pool=pool)
+        BlockManager(4, LAYOUT.block_size, host_kv_tier=wrong, pool=pool)
     with pytest.raises(ValueError, match="needs the KV pool"):
-        BlockManager(4, LAYOUT.block_size, host_tier=HostTier(2, LAYOUT.block_shape, LAYOUT.dtype))
+        BlockManager(
+            4, LAYOUT.block_size, host_kv_tier=HostKVTier(2, LAYOUT.block_shape, LAYOUT.dtype)
+        )
     with pytest.raises(ValueError, match="blocks of"):
         BlockManager(8, LAYOUT.block_size, pool=pool)

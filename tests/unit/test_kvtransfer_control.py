@@ -72,7 +72,7 @@ class DecodeControl(KvTransferControlServicer):
             self.blocks.free(table)
 
 
-def make_backends(kind: str) -> tuple[TransferBackend, TransferBackend]:
+def make_transfer_backends(kind: str) -> tuple[TransferBackend, TransferBackend]:
     registry = CollectorRegistry()
     if kind == "fake":
         fabric = FakeFabric()
@@ -102,7 +102,7 @@ class GatedControl(DecodeControl):
 
 class Harness:
     def __init__(self, kind: str, grace_s: float = 0.2, control=DecodeControl):
-        self.prefill, decode = make_backends(kind)
+        self.prefill, decode = make_transfer_backends(kind)
         self.prefill_pool = KVPool(LAYOUT, NUM_BLOCKS)
         raw = byte_view(self.prefill_pool.tensor)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))

@@ -12,7 +12,7 @@ from services.router.index import KVIndex, PrefixHit
 from shared.kvcache.events import KVEvent
 
 REPLICAS = ("r0", "r1", "r2")
-TIERS = ("device", "host", "disk")
+KV_TIERS = ("device", "host", "disk")
 
 
 class TrueReplica:
@@ -45,7 +45,7 @@ change = st.tuples(
     st.sampled_from(REPLICAS),
     st.sampled_from(("stored", "stored", "removed")),
     st.lists(st.integers(0, 12), min_size=1, max_size=3, unique=True).map(tuple),
-    st.sampled_from(TIERS),
+    st.sampled_from(KV_TIERS),
 )
 step = st.one_of(
     st.tuples(st.just("change"), change),

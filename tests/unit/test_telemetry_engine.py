@@ -87,7 +87,7 @@ def test_timeline_records_chunks_and_counts_decode_steps(engine):
 
 
 def test_a_failing_observer_does_not_fail_the_step(engine):
-    def broken(plan, start, end):
+    def broken(batch, start, end):
         raise RuntimeError("metrics bug")
 
     engine.step_observers.append(StepRecorder(broken))

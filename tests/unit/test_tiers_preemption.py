@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.tiers import tier_priority
+from services.coordinator.service_tiers import tier_priority
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.sampling.params import SamplingParams
@@ -76,10 +76,10 @@ def test_a_priority_prompt_does_not_share_its_step_with_a_batch_prompt(tiny_mode
     engine.add_request(
         PRIORITY_PROMPT, _params(4), request_id="priority", priority=tier_priority("priority")
     )
-    plan = engine.scheduler.schedule()
+    batch = engine.scheduler.schedule()
     # The priority prompt's chunk runs alone (the budget would have fit both), so its first
     # token is not delayed by computing the batch prompt alongside it.
-    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [
+    assert [(s.seq.request_id, s.num_tokens) for s in batch.scheduled] == [
         ("priority", len(PRIORITY_PROMPT))
     ]
     fresh = _engine(tiny_model, "recompute", num_blocks=32)
@@ -102,7 +102,7 @@ def test_background_prompts_are_cut_into_short_steps(tiny_model):
     # Default first (alone: a more urgent prompt is pending), then batch in 64-token chunks.
     sizes = []
     engine.step_observers.append(
-        lambda plan, *_: sizes.append([(s.seq.request_id, s.num_tokens) for s in plan.scheduled])
+        lambda batch, *_: sizes.append([(s.seq.request_id, s.num_tokens) for s in batch.scheduled])
     )
     list(engine.run_until_done())
     prompt_steps = [step for step in sizes if any(n > 1 for _, n in step)]

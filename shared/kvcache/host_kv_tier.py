@@ -1,8 +1,8 @@
-"""The host tier: evicted device blocks parked in preallocated host memory, by block hash.
+"""The KV host tier: evicted device blocks parked in preallocated host memory, by block hash.
 
 Blocks arrive here when the device reuses a cached block, and go back to the device when a
 new prompt's prefix matches them. The tier is LRU within ``capacity_blocks`` slots; its own
-victims spill to an optional ``DiskTier`` instead of being dropped. Copies are inclusive:
+victims spill to an optional ``DiskKVTier`` instead of being dropped. Copies are inclusive:
 loading a block back to the device keeps the host copy, so spilling it again costs nothing.
 
 A few slots can also be *reserved* for swapped-out sequences; reserved slots are outside
@@ -18,23 +18,23 @@ from typing import Literal
 
 import torch
 
-from shared.kvcache.disk_tier import DiskTier
+from shared.kvcache.disk_kv_tier import DiskKVTier
 from shared.kvcache.events import EventKind, KVEventLog
-from shared.kvcache.stats import TierStats
+from shared.kvcache.stats import KVTierStats
 from shared.kvcache.tables import KVIntegrityError
 
-__all__ = ["DiskTier", "HostTier"]
+__all__ = ["DiskKVTier", "HostKVTier"]
 
 _log = logging.getLogger(__name__)
 
 
-class HostTier:
+class HostKVTier:
     def __init__(
         self,
         capacity_blocks: int,
         block_shape: Sequence[int],
         dtype: torch.dtype,
-        disk: DiskTier | None = None,
+        disk: DiskKVTier | None = None,
         pin_memory: bool = False,
     ):
         if capacity_blocks <= 0:
@@ -54,7 +54,7 @@ class HostTier:
         self._free_slots: deque[int] = deque(range(capacity_blocks))
         self._reserved: set[int] = set()
         self._events: KVEventLog | None = None
-        self.stats = TierStats()
+        self.stats = KVTierStats()
 
     def attach_events(self, events: KVEventLog) -> None:
         if self._events is not None and self._events is not events:

@@ -17,15 +17,17 @@ from services.coordinator.backend import GenerationRequest, ModelInfo
 from services.coordinator.errors import APIError, bad_request
 from services.coordinator.prompt_tokens import PromptTokens
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
+from services.coordinator.service_tiers import resolve_tier, tier_priority
 from services.coordinator.settings import APISettings
-from services.coordinator.tiers import resolve_tier, tier_priority
 from shared.sampling.params import MAX_SEED, SamplingParamError, SamplingParams
 
 Endpoint = Literal["chat", "completion"]
 
 
 @dataclass
-class Plan:
+class PreparedRequest:
+    """One API request made ready for the backends: tokenized, limited, at a service tier."""
+
     endpoint: Endpoint
     response_id: str
     model: ModelInfo
@@ -47,13 +49,13 @@ class Plan:
         return choice // self.n
 
 
-def plan_chat(
+def prepare_chat(
     body: ChatCompletionRequest,
     model: ModelInfo,
     encoder: PromptTokens,
     settings: APISettings,
     tier: str | None = None,
-) -> Plan:
+) -> PreparedRequest:
     """`encoder`: the model's tokenizer, with the pieces earlier turns encoded."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -92,13 +94,13 @@ def plan_chat(
     )
 
 
-def plan_completion(
+def prepare_completion(
     body: CompletionRequest,
     model: ModelInfo,
     encoder: PromptTokens,
     settings: APISettings,
     tier: str | None = None,
-) -> Plan:
+) -> PreparedRequest:
     if body.suffix:
         raise bad_request("suffix is not supported by this model", "suffix")
     n = body.n if body.n is not None else 1
@@ -117,7 +119,7 @@ def plan_completion(
     requested = body.max_tokens
     if requested is not None and requested < 0:
         raise bad_request(f"max_tokens must be at least 0, got {requested}", "max_tokens")
-    plan = _build(
+    prepared = _build(
         "completion",
         "cmpl",
         body,
@@ -126,16 +128,16 @@ def plan_completion(
         prompts=prompts,
         prompt_param="prompt",
         limit_param="max_tokens",
-        requested=1 if requested == 0 else requested,  # see Plan.drop_output
+        requested=1 if requested == 0 else requested,  # see PreparedRequest.drop_output
         default_max=settings.default_completion_max_tokens,
         logprobs=body.logprobs,
         names={},
         prompt_logprobs=body.echo and body.logprobs is not None,
         tier=tier,
     )
-    plan.echo = body.echo
-    plan.drop_output = requested == 0
-    return plan
+    prepared.echo = body.echo
+    prepared.drop_output = requested == 0
+    return prepared
 
 
 def _build(
@@ -154,7 +156,7 @@ def _build(
     names: dict[str, str],
     prompt_logprobs: bool = False,
     tier: str | None = None,
-) -> Plan:
+) -> PreparedRequest:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if body.logit_bias:
@@ -196,7 +198,7 @@ def _build(
                 )
             )
     options = body.stream_options
-    return Plan(
+    return PreparedRequest(
         endpoint=endpoint,
         response_id=response_id,
         model=model,

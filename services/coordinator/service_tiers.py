@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-ServiceTier = Literal["auto", "default", "priority", "flex", "batch"]
-
 # Smaller runs first; the engine's schedulers and preemption order follow it.
 TIER_PRIORITY: dict[str, int] = {"priority": 0, "default": 1, "flex": 2, "batch": 3}
 VALID_TIERS: tuple[str, ...] = ("auto", "default", "priority", "flex", "batch")

@@ -1,6 +1,6 @@
-"""The attention backend interface the model calls once per layer.
+"""The attention kernel interface the model calls once per layer.
 
-A backend writes the step's new K/V into their paged slots, then computes attention of the new
+A kernel writes the step's new K/V into their paged slots, then computes attention of the new
 queries over each sequence's whole context (cached prefix + new tokens, causal among the new).
 The torch reference runs everywhere; Triton kernels plug in behind the same interface on CUDA.
 """
@@ -14,11 +14,11 @@ import torch
 from kernels.attention_metadata import AttentionMetadata
 
 
-class AttentionBackend(ABC):
+class AttentionKernel(ABC):
     name: str
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
-        """Precompute per-step state into `meta.backend_state` (called once per step)."""
+        """Precompute per-step state into `meta.kernel_state` (called once per step)."""
 
     @abstractmethod
     def forward(

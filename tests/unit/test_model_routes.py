@@ -8,7 +8,7 @@ import pytest
 
 from services.coordinator.errors import APIError
 from services.coordinator.main import check_policy
-from services.coordinator.saved_routers import SavedRouters, bucket
+from services.coordinator.model_routes import ModelRoutes, bucket
 from services.coordinator.settings import APISettings
 from shared.config.schema import ConfigError, parse_config
 from tests.unit.coordinator_client import chat_body, meta, run_with_client
@@ -36,8 +36,8 @@ ROUTERS = {
 }
 
 
-def _routers() -> SavedRouters:
-    return SavedRouters(dict(parse_config({"routers": ROUTERS}).routers))
+def _routes() -> ModelRoutes:
+    return ModelRoutes(dict(parse_config({"routers": ROUTERS}).routers))
 
 
 def _view(metadata=None, messages=1, user="") -> dict:
@@ -60,20 +60,20 @@ def _view(metadata=None, messages=1, user="") -> dict:
     ],
 )
 def test_conditions_pick_the_first_match(view, models, why):
-    choice = _routers().choose("smart", view)
+    choice = _routes().choose("smart", view)
     assert choice.models == models
     assert choice.ttft_timeout_ms == 250
     assert any(why in line for line in choice.reasoning)
 
 
 def test_a_condition_on_a_missing_field_does_not_match():
-    choice = _routers().choose("smart", _view(user="someone"))  # no metadata.plan at all
+    choice = _routes().choose("smart", _view(user="someone"))  # no metadata.plan at all
     assert choice.models == [SMALL]
     assert any("not evaluable" in line for line in choice.reasoning)
 
 
 def test_ab_variant_is_sticky_per_user_and_never_picks_zero_weight():
-    routers = _routers()
+    routers = _routes()
     for user in ("alice", "bob", "carol", "dave"):
         picks = {tuple(routers.choose("ab", _view(user=user)).models) for _ in range(20)}
         assert len(picks) == 1
@@ -81,7 +81,7 @@ def test_ab_variant_is_sticky_per_user_and_never_picks_zero_weight():
 
 
 def test_ab_proportions_follow_the_weights():
-    routers = _routers()
+    routers = _routes()
     counts = collections.Counter(
         routers.choose("ab", _view(user=f"user-{i}")).models[0] for i in range(2000)
     )
@@ -98,7 +98,7 @@ def test_buckets_differ_between_routers():
 
 def test_unknown_router_is_404_naming_it():
     with pytest.raises(APIError) as info:
-        _routers().choose("nope", _view())
+        _routes().choose("nope", _view())
     assert info.value.status == 404 and "router/nope" in info.value.message
 
 
@@ -136,7 +136,9 @@ def test_saved_router_over_http(real_tokenizer):
         real_tokenizer,
         {BIG: Script(first_token_delay_s=5.0), SMALL: Script(), CANARY: Script()},
     )
-    settings = APISettings(model_id=SMALL, routers=dict(parse_config({"routers": ROUTERS}).routers))
+    settings = APISettings(
+        model_id=SMALL, model_routes=dict(parse_config({"routers": ROUTERS}).routers)
+    )
 
     async def work(client):
         pro = await client.post(

@@ -1,8 +1,10 @@
-"""Saved routers (`model: "router/<name>"`): CEL conditions, sticky A/B variants, fallback.
+"""Model routes, the config's saved routers (`model: "router/<name>"`): CEL conditions,
+sticky A/B variants, fallback. (Not the KV router, which picks replicas: a model route picks
+models.)
 
-A router picks the ordered model list a request will try: the first condition whose CEL
-expression holds for the request, else a weighted variant chosen by a hash of the router's
-name and the `user` (so one user always sees the same variant), else the router's `models`.
+A route picks the ordered model list a request will try: the first condition whose CEL
+expression holds for the request, else a weighted variant chosen by a hash of the route's
+name and the `user` (so one user always sees the same variant), else the route's `models`.
 Expressions were compiled once when the config was loaded.
 """
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.coordinator.errors import APIError
-from shared.config.policy import SavedRouter, compile_cel
+from shared.config.policy import ModelRoute, compile_cel
 
 if TYPE_CHECKING:
     import celpy
@@ -23,43 +25,42 @@ PREFIX = "router/"
 
 
 @dataclass(frozen=True)
-class RouteChoice:
+class ModelRouteChoice:
     models: list[str]
     ttft_timeout_ms: float | None = None
-    router: str | None = None
     reasoning: list[str] = field(default_factory=list)
 
 
-def bucket(router: str, key: str) -> float:
-    """A stable point in [0, 1) for (router, key): the same user lands in the same variant,
-    and different routers split the same users independently."""
-    digest = hashlib.blake2b(f"{router}\x00{key}".encode(), digest_size=8).digest()
+def bucket(route: str, key: str) -> float:
+    """A stable point in [0, 1) for (route, key): the same user lands in the same variant,
+    and different routes split the same users independently."""
+    digest = hashlib.blake2b(f"{route}\x00{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
 @dataclass
 class _Compiled:
     name: str
-    config: SavedRouter
+    config: ModelRoute
     conditions: list[celpy.Runner]
 
 
-class SavedRouters:
-    def __init__(self, routers: dict[str, SavedRouter]):
-        self._routers = {
+class ModelRoutes:
+    def __init__(self, routes: dict[str, ModelRoute]):
+        self._routes = {
             name: _Compiled(name, r, [compile_cel(c.when) for c in r.conditions])
-            for name, r in routers.items()
+            for name, r in routes.items()
         }
 
     def names(self) -> list[str]:
-        return sorted(self._routers)
+        return sorted(self._routes)
 
     def referenced_models(self) -> dict[str, set[str]]:
-        return {n: r.config.referenced_models for n, r in self._routers.items()}
+        return {n: r.config.referenced_models for n, r in self._routes.items()}
 
-    def choose(self, name: str, request: dict[str, Any]) -> RouteChoice:
-        """Models for `request` (the CEL view: metadata, messages, user, ...) via router `name`."""
-        compiled = self._routers.get(name)
+    def choose(self, name: str, request: dict[str, Any]) -> ModelRouteChoice:
+        """Models for `request` (the CEL view: metadata, messages, user, ...) via route `name`."""
+        compiled = self._routes.get(name)
         if compiled is None:
             known = ", ".join(self.names()) or "none are configured"
             raise APIError(
@@ -68,30 +69,30 @@ class SavedRouters:
                 param="model",
                 code="router_not_found",
             )
-        router = compiled.config
-        timeout = router.fallback.ttft_timeout if router.fallback else None
+        route = compiled.config
+        timeout = route.fallback.ttft_timeout if route.fallback else None
         reasoning: list[str] = []
-        if router.conditions:
+        if route.conditions:
             matched = _first_match(name, compiled, request, reasoning)
             if matched is not None:
-                return RouteChoice(matched, timeout, name, reasoning)
-        if router.variants:
+                return ModelRouteChoice(matched, timeout, reasoning)
+        if route.variants:
             user = request.get("user")
             key = user or uuid.uuid4().hex
             point = bucket(name, key)
-            total = sum(v.weight for v in router.variants)
+            total = sum(v.weight for v in route.variants)
             edge = 0.0
-            chosen = router.variants[-1]
-            for variant in router.variants:
+            chosen = route.variants[-1]
+            for variant in route.variants:
                 edge += variant.weight / total
                 if point < edge and variant.weight > 0:
                     chosen = variant
                     break
             how = f"sticky for user {user!r}" if user else "per request (no user)"
             reasoning.append(f"router {name}: variant '{chosen.name}' ({how}, bucket {point:.3f})")
-            return RouteChoice(list(chosen.models), timeout, name, reasoning)
+            return ModelRouteChoice(list(chosen.models), timeout, reasoning)
         reasoning.append(f"router {name}: no condition matched; default models")
-        return RouteChoice(list(router.models), timeout, name, reasoning)
+        return ModelRouteChoice(list(route.models), timeout, reasoning)
 
 
 def _first_match(

@@ -1,4 +1,4 @@
-"""The Triton backend is a drop-in for the torch one: same K/V writes, same outputs, same model."""
+"""The Triton attention kernel is a drop-in for the torch one: same K/V writes, outputs, model."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot be run")
 
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.select import attention_backend_for  # noqa: E402
+from kernels.select import attention_kernel_for  # noqa: E402
 from kernels.torch_attention import TorchPagedAttention  # noqa: E402
 from kernels.triton_attention import TritonPagedAttention, plan_step  # noqa: E402
 from tests.kernels.paged_case import make_case  # noqa: E402
@@ -32,7 +32,7 @@ def test_step_plan_sorts_sequences_by_kernel():
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_mixed_step_matches_torch_backend(group):
+def test_mixed_step_matches_torch_kernel(group):
     # Decode, verify (2 and 16 queries) and prefill chunks (a prompt, a chunk after a prefix).
     query_lens = [1, 2, 16, 1, 30, 21]
     contexts = [33, 18, 40, 1, 30, 21 + 35]
@@ -42,16 +42,16 @@ def test_mixed_step_matches_torch_backend(group):
         case.q, case.k_new, case.v_new, torch_pool[:, 1, 0], torch_pool[:, 1, 1], _meta(case), 0.1
     )
     meta = _meta(case)
-    backend = TritonPagedAttention(num_splits=2)
-    backend.prepare(meta)
-    out = backend.forward(
+    kernel = TritonPagedAttention(num_splits=2)
+    kernel.prepare(meta)
+    out = kernel.forward(
         case.q, case.k_new, case.v_new, case.key_cache, case.value_cache, meta, 0.1
     )
     assert torch.equal(case.pool, torch_pool)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_tiny_model_forward_is_the_same_with_either_backend(tiny_model):
+def test_tiny_model_forward_is_the_same_with_either_kernel(tiny_model):
     from shared.kvcache.pool import KVPool
     from shared.model.llama import LlamaModel
     from shared.model.tiny import tiny_checkpoint
@@ -80,6 +80,6 @@ def test_tiny_model_forward_is_the_same_with_either_backend(tiny_model):
     step([6, 1], [46, 7], [1, 2, 3, 4, 5, 6] + [12])  # a verify, a decode
 
 
-def test_backend_selection_by_device():
-    assert isinstance(attention_backend_for("cpu"), TorchPagedAttention)
-    assert isinstance(attention_backend_for(torch.device("cuda", 0)), TritonPagedAttention)
+def test_kernel_selection_by_device():
+    assert isinstance(attention_kernel_for("cpu"), TorchPagedAttention)
+    assert isinstance(attention_kernel_for(torch.device("cuda", 0)), TritonPagedAttention)

@@ -1,4 +1,4 @@
-"""The disk tier: KV blocks the host tier had to let go of, one file per block hash.
+"""The KV disk tier: KV blocks the host tier had to let go of, one file per block hash.
 
 Each block is written to a temporary name and renamed into place, so a reader never sees a
 half-written block. The index lives in memory only: files left by an earlier process are
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shared.kvcache.events import KVEventLog
-from shared.kvcache.stats import TierStats
+from shared.kvcache.stats import KVTierStats
 from shared.kvcache.tables import KVIntegrityError
 
 _SUFFIX = ".kv"
@@ -25,7 +25,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class DiskTier:
+class DiskKVTier:
     def __init__(self, directory: str | os.PathLike[str], capacity_blocks: int):
         if capacity_blocks <= 0:
             raise ValueError(f"disk tier needs capacity_blocks > 0, got {capacity_blocks}")
@@ -37,7 +37,7 @@ class DiskTier:
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._events: KVEventLog | None = None
-        self.stats = TierStats()
+        self.stats = KVTierStats()
 
     def cached_hashes(self) -> list[int]:
         return list(self._lru)

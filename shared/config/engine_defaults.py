@@ -1,0 +1,40 @@
+"""Defaults of the engine's knobs: one source for the deployment schema and `EngineConfig`.
+
+Torch-free and pydantic-free, so the coordinator, the schema, the profiler and the engine can
+all read it. The schema's defaults are what `splitserve up` gives a replica; `EngineConfig`
+(the engine as a library: tests, benches, `splitserve generate`) takes the same values, except
+the two named LIBRARY_* below, each with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+
+BLOCK_SIZE = 16  # tokens per KV block; router and workers must agree
+KV_CACHE_BYTES = 256 * 1024**2
+HOST_CACHE_BYTES = 512 * 1024**2  # KV host tier a serving replica spills cold blocks to
+DISK_CACHE_BYTES = 0  # KV disk tier; needs a host tier and a directory
+MAX_NUM_BATCHED_TOKENS = 512  # chunked-prefill token budget per step
+# Prompt chunks of background service tiers (flex, batch) are cut to this many tokens a step,
+# so a priority or default request that arrives mid-step waits behind a short step.
+BACKGROUND_CHUNK_TOKENS = 64
+MAX_NUM_SEQS = 64
+PREEMPTION_MODE: PreemptionMode = "recompute"
+WEIGHTS: Final = "auto"  # the fastest build that passed the quality gate, measured on this machine
+
+# An engine built as a library gets exactly the device blocks it is given: a test's or a
+# bench's prefix-cache and eviction behaviour is that of its pool alone, and no 512 MiB host
+# reservation is made per engine. A serving replica, whose conversations outlive its device
+# pool, turns the KV host tier on (HOST_CACHE_BYTES).
+LIBRARY_HOST_CACHE_BYTES = 0
+# `auto` measures every eligible build at load time (seconds, and a quality-gate report per
+# format); a library engine loads the reference fp32 weights unless told otherwise.
+LIBRARY_WEIGHTS: Final = "fp32"
+
+# Speculative decoding (decode replicas).
+SPECULATIVE_METHOD: Final = "none"
+NUM_SPECULATIVE_TOKENS = 4
+NGRAM_MAX = 4
+NGRAM_MIN = 1
