@@ -71,6 +71,32 @@ static void quantize_block(const float *xb, int8_t *q, uint8_t *qu, float *d_out
   _mm_storeu_si128((__m128i *)(qu + 16), _mm_xor_si128(b1, flip));
   *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   *d_out = d;
+#elif SS_AVX2
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                            _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float d = _mm_cvtss_f32(m4) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  __m256 vid = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i qi[4];
+  for (int i = 0; i < 4; i++)
+    qi[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid)), lo), hi);
+  /* Packing interleaves 128-bit lanes; the permute puts the 32 bytes back in order. */
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i *)q, bytes);
+  _mm256_storeu_si256((__m256i *)qu, _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)));
+  __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  *sum_out = _mm_cvtsi128_si32(s4);
+  *d_out = d;
 #else
   float amax = 0.f;
   for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
