@@ -122,6 +122,7 @@ class WorkerRuntime:
             pool=pool,
             kv_salt=self.tokenizer_fingerprint.encode() or None,
         )
+        self.engine.format_choice = self.format_choice  # shown in Stats and /metrics
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
         self.async_engine = AsyncEngine(self.engine)

@@ -228,6 +228,19 @@ class Engine:
         self.scheduler.admit_running(seq)
         return request_id
 
+    def weights_report(self) -> dict:
+        """What this engine computes with and what it holds: each path's format, the
+        measured choice behind `auto` (if any), and the bytes of weights and KV pool."""
+        model = self.model
+        report: dict = {
+            "prefill": model.weights,
+            "decode": model.decode_weights,
+            "memory_bytes": model.memory_bytes() | {"kv_pool": self.pool.tensor.nbytes},
+        }
+        if self.format_choice is not None:
+            report["choice"] = self.format_choice.to_json() | {"cached": self.format_choice.cached}
+        return report
+
     def load(self) -> dict[str, int]:
         """What the router weighs: queued prefill work and live KV."""
         sched = self.scheduler
