@@ -472,6 +472,16 @@ static void prepare_input(const ss_linear *w, const float *x, int rows, float *x
     quantize_rows(x, rows, w->in_features, acts);
 }
 
+/* prepare_input for rows [r0, r1) of `rows` (each thread its own rows). */
+static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, int r1, float *xsum, ss_acts *acts) {
+  int in = w->in_features, nb = in / QK;
+  if (r1 <= r0) return;
+  if (w->kind == SS_Q4_1)
+    block_sums(x + (size_t)r0 * in, r1 - r0, in, xsum + (size_t)r0 * nb);
+  else if (w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8)
+    quantize_rows_part(x, rows, in, acts, r0 * nb, r1 * nb);
+}
+
 /* One thread's share of y = x W^T (outputs split evenly across threads). */
 static void linear_part(const ss_linear *w, const float *x, const float *xsum, const ss_acts *acts,
                         int rows, float *y, int tid, int nth) {
@@ -689,76 +699,72 @@ static void attention_merge(step_ctx *c, int tid, int nth) {
   }
 }
 
+/* The per-row work between matrices (norms, RoPE and the K/V write, SiLU, residual adds and
+ * the next matrix's input preparation) is split by rows: thread t owns rows [r0, r1) there,
+ * and a row's values never depend on which thread computed them. */
 static void step_job(void *arg, int tid, int nth) {
   step_ctx *c = (step_ctx *)arg;
   unsigned csr = flush_denormals();
   const ss_model *m = c->m;
   int rows = c->rows, hidden = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim;
   int inter = m->intermediate, qkv_width = (hq + 2 * hkv) * d;
-  int sense = 0;
+  int sense = 0, r0, r1;
+  split(rows, tid, nth, &r0, &r1);
+  int own = r1 - r0;
   ss_acts acts;
-  if (tid == 0)
-    for (int r = 0; r < rows; r++)
-      memcpy(c->x + (size_t)r * hidden, m->embed + (size_t)c->tokens[r] * hidden, sizeof(float) * hidden);
+  for (int r = r0; r < r1; r++)
+    memcpy(c->x + (size_t)r * hidden, m->embed + (size_t)c->tokens[r] * hidden, sizeof(float) * hidden);
   for (int l = 0; l < m->num_layers; l++) {
     const ss_layer *L = &m->layers[l];
-    if (tid == 0) {
-      rms_norm_rows(c->x, L->input_norm, m->eps, rows, hidden, c->h);
-      acts = acts_view(c->acts_mem, rows, hidden);
-      prepare_input(&L->qkv, c->h, rows, c->xsum, &acts);
+    acts = acts_view(c->acts_mem, rows, hidden);
+    if (own > 0) {
+      rms_norm_rows(c->x + (size_t)r0 * hidden, L->input_norm, m->eps, own, hidden, c->h + (size_t)r0 * hidden);
+      prepare_rows(&L->qkv, c->h, rows, r0, r1, c->xsum, &acts);
     }
     barrier_wait(&c->barrier, nth, &sense);
-    acts = acts_view(c->acts_mem, rows, hidden);
     linear_part(&L->qkv, c->h, c->xsum, &acts, rows, c->qkv, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0) /* RoPE on q and k, then the new K/V into their slots */
-      for (int r = 0; r < rows; r++) {
-        float *row = c->qkv + (size_t)r * qkv_width;
-        int pos = c->positions[r];
-        const float *cs = m->rope_cos + (size_t)pos * d, *sn = m->rope_sin + (size_t)pos * d;
-        for (int h = 0; h < hq + hkv; h++) rope(row + h * d, cs, sn, d);
-        for (int h = 0; h < hkv; h++) {
-          memcpy(kv_slot(c, l, 0, r, pos, h), row + (hq + h) * d, sizeof(float) * d);
-          memcpy(kv_slot(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, sizeof(float) * d);
-        }
+    for (int r = r0; r < r1; r++) { /* RoPE on q and k, then the new K/V into their slots */
+      float *row = c->qkv + (size_t)r * qkv_width;
+      int pos = c->positions[r];
+      const float *cs = m->rope_cos + (size_t)pos * d, *sn = m->rope_sin + (size_t)pos * d;
+      for (int h = 0; h < hq + hkv; h++) rope(row + h * d, cs, sn, d);
+      for (int h = 0; h < hkv; h++) {
+        memcpy(kv_slot(c, l, 0, r, pos, h), row + (hq + h) * d, sizeof(float) * d);
+        memcpy(kv_slot(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, sizeof(float) * d);
       }
+    }
     barrier_wait(&c->barrier, nth, &sense);
     attention_part(c, l, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
     attention_merge(c, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
     acts = acts_view(c->acts_mem, rows, hq * d);
-    if (tid == 0) prepare_input(&L->o_proj, c->attn, rows, c->xsum, &acts);
+    prepare_rows(&L->o_proj, c->attn, rows, r0, r1, c->xsum, &acts);
     barrier_wait(&c->barrier, nth, &sense);
     linear_part(&L->o_proj, c->attn, c->xsum, &acts, rows, c->tmp, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0) {
-      for (size_t i = 0; i < (size_t)rows * hidden; i++) c->x[i] += c->tmp[i];
-      rms_norm_rows(c->x, L->post_norm, m->eps, rows, hidden, c->h);
-      acts = acts_view(c->acts_mem, rows, hidden);
-      prepare_input(&L->gate_up, c->h, rows, c->xsum, &acts);
+    acts = acts_view(c->acts_mem, rows, hidden);
+    if (own > 0) {
+      for (size_t i = (size_t)r0 * hidden; i < (size_t)r1 * hidden; i++) c->x[i] += c->tmp[i];
+      rms_norm_rows(c->x + (size_t)r0 * hidden, L->post_norm, m->eps, own, hidden, c->h + (size_t)r0 * hidden);
+      prepare_rows(&L->gate_up, c->h, rows, r0, r1, c->xsum, &acts);
     }
     barrier_wait(&c->barrier, nth, &sense);
-    acts = acts_view(c->acts_mem, rows, hidden);
     linear_part(&L->gate_up, c->h, c->xsum, &acts, rows, c->gu, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0) {
-      for (int r = 0; r < rows; r++) {
-        const float *g = c->gu + (size_t)r * 2 * inter, *u = g + inter;
-        float *a = c->act + (size_t)r * inter;
-        silu_mul(g, u, a, inter);
-      }
-      acts = acts_view(c->acts_mem, rows, inter);
-      prepare_input(&L->down, c->act, rows, c->xsum, &acts);
-    }
-    barrier_wait(&c->barrier, nth, &sense);
     acts = acts_view(c->acts_mem, rows, inter);
+    for (int r = r0; r < r1; r++) {
+      const float *g = c->gu + (size_t)r * 2 * inter, *u = g + inter;
+      silu_mul(g, u, c->act + (size_t)r * inter, inter);
+    }
+    prepare_rows(&L->down, c->act, rows, r0, r1, c->xsum, &acts);
+    barrier_wait(&c->barrier, nth, &sense);
     linear_part(&L->down, c->act, c->xsum, &acts, rows, c->tmp, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0)
-      for (size_t i = 0; i < (size_t)rows * hidden; i++) c->x[i] += c->tmp[i];
+    for (size_t i = (size_t)r0 * hidden; i < (size_t)r1 * hidden; i++) c->x[i] += c->tmp[i];
   }
-  if (tid == 0) rms_norm_rows(c->x, m->final_norm, m->eps, rows, hidden, c->out);
+  if (own > 0) rms_norm_rows(c->x + (size_t)r0 * hidden, m->final_norm, m->eps, own, hidden, c->out + (size_t)r0 * hidden);
   restore_csr(csr);
 }
 
