@@ -150,22 +150,30 @@ static inline int idot_q8(const int8_t *w, const int8_t *q) {
 #else
 #define SS_VNNI512 0
 #endif
+/* Rows that share one decoding of a weight block: 8 keeps a batch-8 step to one pass over the
+ * weights and fits AVX-512's 32 registers; AVX2's 16 hold 4. */
+#if SS_VNNI512
+#define A8_ROWS 8
+#else
+#define A8_ROWS 4
+#endif
 
 static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
   int groups = nb / 4, pair = (nb % 4) >= 2, single = nb % 2;
   const uint8_t *quants = (const uint8_t *)w->data;
-  for (int r0 = 0; r0 < rows; r0 += 4) {
-    int nr = rows - r0 < 4 ? rows - r0 : 4;
+  for (int r0 = 0; r0 < rows; r0 += A8_ROWS) {
+    int nr = rows - r0 < A8_ROWS ? rows - r0 : A8_ROWS;
     for (int o = o0; o < o1; o++) {
       const uint8_t *qs = quants + (size_t)o * nb * Q4_1_QBYTES;
       const float *ds = w->scales + (size_t)o * nb, *ms = w->mins + (size_t)o * nb;
-      float tail[4] = {0.f, 0.f, 0.f, 0.f};
+      float tail[A8_ROWS] = {0.f};
 #if SS_VNNI512
       const __m512i low = _mm512_set1_epi8(0x0f);
       const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       const __m512i idx_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      __m512 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm512_setzero_ps();
       for (int g = 0; g < groups; g++) {
         __m512i raw = _mm512_loadu_si512((const void *)(qs + (size_t)g * 64));
         __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -195,11 +203,12 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dlo, _mm512_loadu_ps(dx)), acc[r]);
         }
       }
-      float sums[4];
+      float sums[A8_ROWS];
       for (int r = 0; r < nr; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
 #elif SS_AVX2
       const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm256_setzero_ps();
       /* One block's 32 weights (w, in order) against each row's 32 quantized inputs. */
 #define SS_Q4_BLOCK(wv, b)                                                                          \
   do {                                                                                              \
@@ -226,10 +235,10 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
         SS_Q4_BLOCK(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), b + 1);
       }
 #undef SS_Q4_BLOCK
-      float sums[4];
+      float sums[A8_ROWS];
       for (int r = 0; r < nr; r++) sums[r] = hsum8(acc[r]);
 #else
-      float sums[4] = {0.f, 0.f, 0.f, 0.f};
+      float sums[A8_ROWS] = {0.f};
       for (int r = 0; r < nr; r++) {
         const int8_t *q = a->q + (size_t)(r0 + r) * in;
         const float *d = a->d + (size_t)(r0 + r) * nb;
@@ -275,8 +284,8 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
 static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
   const int8_t *quants = (const int8_t *)w->data;
-  for (int r0 = 0; r0 < rows; r0 += 4) {
-    int nr = rows - r0 < 4 ? rows - r0 : 4;
+  for (int r0 = 0; r0 < rows; r0 += A8_ROWS) {
+    int nr = rows - r0 < A8_ROWS ? rows - r0 : A8_ROWS;
     for (int o = o0; o < o1; o++) {
       const int8_t *qs = quants + (size_t)o * nb * Q8_0_QBYTES;
       const float *ds = w->scales + (size_t)o * nb;
@@ -284,7 +293,8 @@ static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float
       /* (x_q + 128) . w, then the per-block -128 * d * sum(w) correction (in `mins`). */
       const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       const float *cs = w->mins + (size_t)o * nb;
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      __m512 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm512_setzero_ps();
       int b = 0;
       for (; b + 2 <= nb; b += 2) {
         __m512i wv = _mm512_loadu_si512((const void *)(qs + (size_t)b * QK));
@@ -305,7 +315,8 @@ static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float
       }
 #elif SS_AVX2
       const __m256i ones = _mm256_set1_epi16(1);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm256_setzero_ps();
       for (int b = 0; b < nb; b++) {
         __m256i wv = _mm256_loadu_si256((const __m256i *)(qs + (size_t)b * QK));
         __m256i wabs = _mm256_sign_epi8(wv, wv);
