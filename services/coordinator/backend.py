@@ -1,7 +1,9 @@
 """The interface between the HTTP layer and whatever runs the model.
 
 The OpenAI surface never talks to workers itself: it hands a tokenized, validated
-`GenerationRequest` to a `GenerationBackend` and relays the `GenerationChunk`s it yields. The
+`GenerationRequest` to a `GenerationBackend` and relays the `GenerationChunk`s it yields,
+through the retry loop (`retry`), which owns everything a request does across attempts:
+fallback, migration, the text. One `generate` call is one attempt on one model. The
 production backend speaks gRPC to prefill/decode worker pools; `EngineBackend`
 (`services.inprocess`, outside this package: it imports the engine) runs one engine in-process
 (single-process runs and tests).
@@ -10,12 +12,12 @@ production backend speaks gRPC to prefill/decode worker pools; `EngineBackend`
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
 from shared.tokenizer.tokenizer import Tokenizer
+from shared.wire.records import GenerationChunk
 
 
 @dataclass
@@ -28,28 +30,8 @@ class GenerationRequest:
     service_tier: str
     prompt_logprobs: bool = False
     user: str | None = None
-
-
-@dataclass
-class GenerationChunk:
-    """What one engine step produced for one request (token ids, text delta, counters)."""
-
-    token_ids: list[int]
-    text: str  # delta, safe to show (no partial stop string, no broken UTF-8)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None  # on the first chunk, when asked for
-    # Top alternatives per prompt position (first entry None), when the backend has them;
-    # without them a completions `echo` reports `top_logprobs` null for prompt tokens.
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0  # cumulative
-    replica: str | None = None  # which worker(s) served it
-    # Anything else the backend wants on the response's `metadata` (routing attempts,
-    # reasoning); merged into it as-is, later chunks overriding earlier keys.
-    metadata: dict[str, Any] | None = None
+    # Replicas that already failed this request: a retry is routed around them.
+    exclude: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -76,6 +58,16 @@ class BackendError(Exception):
     """A worker failed while serving the request (not the client's fault)."""
 
 
+class ReplicaLost(Exception):
+    """A replica serving the request died (or left its stream unfinished): the request can
+    go on elsewhere (the retry loop excludes `worker_id` and tries again)."""
+
+    def __init__(self, worker_id: str, reason: str):
+        super().__init__(f"replica {worker_id} lost: {reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+
+
 class BackendRequestError(Exception):
     """The backend refused the request for a reason the client caused (e.g. the output does
     not fit the replica's KV cache). `param` names the offending engine parameter."""
@@ -93,11 +85,13 @@ class GenerationBackend(Protocol):
         ...
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the request's chunks; the last one has `finished=True`.
+        """Stream the request's chunks (token ids and counters; text is optional: the retry
+        loop detokenizes); the last one has `finished=True`.
 
         Raises BackendUnavailable / BackendError / BackendRequestError, either before the
-        first chunk or mid-stream. Closing or cancelling the iterator before the last chunk
-        (the client went away) must abort the request in the backend.
+        first chunk or mid-stream, and ReplicaLost when the request may go on elsewhere.
+        Closing or cancelling the iterator before the last chunk (the client went away) must
+        abort the request in the backend.
         """
         ...
 

@@ -1,9 +1,9 @@
-"""The production backend: routes each request to a (prefill, decode) pair of worker
-processes over gRPC and turns their token ids into text here, where stop strings live.
+"""The production backend: routes each attempt to a (prefill, decode) pair of worker
+processes over gRPC and streams their chunks (token ids; the retry loop makes the text).
 
-One `PairAttempt` serves the request on one pair. If a replica of the pair dies mid-stream,
-the request migrates: the prompt plus the tokens already streamed go to a freshly routed pair
-and the same stream continues (see `migration`), up to `max_migrations` times.
+One `generate` call is one attempt on one pair (`PairAttempt`), routed around the replicas
+that already failed the request (`GenerationRequest.exclude`). A replica that dies raises
+`ReplicaLost`: going on elsewhere is the retry loop's decision.
 """
 
 from __future__ import annotations
@@ -19,23 +19,19 @@ from opentelemetry import trace
 
 from services.coordinator.affinity import ConversationAffinity
 from services.coordinator.backend import (
-    BackendError,
     BackendRequestError,
     BackendUnavailable,
     GenerationChunk,
     GenerationRequest,
     ModelInfo,
 )
-from services.coordinator.migration import DEFAULT_MAX_MIGRATIONS, ReplicaLost, StreamProgress
-from services.coordinator.pair_attempt import PairAttempt, Piece
+from services.coordinator.pair_attempt import PairAttempt
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
 from shared.proto_gen import worker_pb2 as pb
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
 from shared.telemetry.rpc_spans import describe_route
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.tokenizer.text_tracker import TextTracker
 from shared.wire.convert import params_to_proto
 
 log = logging.getLogger(__name__)
@@ -48,16 +44,11 @@ class GrpcBackend:
         models: list[ModelInfo],
         transfer_deadline_s: float,
         tracer: trace.Tracer | None = None,
-        *,
-        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ):
-        if max_migrations < 0:
-            raise ValueError("max_migrations must be >= 0")
         self.registry = registry
         self._tracer = tracer or trace.NoOpTracer()
         self._models = {m.id: m for m in models}
         self.transfer_deadline_s = transfer_deadline_s
-        self.max_migrations = max_migrations
         self.affinity = ConversationAffinity(registry.config.block_size)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
@@ -91,16 +82,14 @@ class GrpcBackend:
         for channel in self._channels.values():
             await channel.close()
 
-    def _route(
-        self, req: GenerationRequest, prompt: list[int], exclude: set[str]
-    ) -> RoutingDecision | None:
+    def _route(self, req: GenerationRequest) -> RoutingDecision | None:
         with self._tracer.start_as_current_span(A.SPAN_ROUTE) as span:
             decision = choose_pair(
                 self.registry,
                 req.model,
-                prompt_token_ids=prompt,
+                prompt_token_ids=req.prompt_token_ids,
                 previous_decode=self.affinity.previous(req.user, req.prompt_token_ids),
-                exclude=frozenset(exclude),
+                exclude=req.exclude,
             )
             describe_route(
                 span,
@@ -111,163 +100,43 @@ class GrpcBackend:
         return decision
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        info = self._models.get(req.model)
-        if info is None:
+        if req.model not in self._models:
             raise BackendRequestError("model", f"model '{req.model}' is not served here")
-        decision = self._route(req, req.prompt_token_ids, set())
+        decision = self._route(req)
         if decision is None:
             raise BackendUnavailable(
                 f"no healthy replica for model '{req.model}'", retry_after_s=1.0
             )
-        progress = StreamProgress(
-            req.request_id, list(req.prompt_token_ids), req.params, self.max_migrations
-        )
-        stream = _ClientStream(
-            progress, TextTracker(IncrementalDetokenizer(info.tokenizer), req.params.stop)
-        )
-        meta = {"replica": decision.describe(), "routing": decision.reasoning}
-        meta.update(current_trace_metadata())
-        stream.pending_meta = meta
-        failed: set[str] = set()
-        while True:
-            attempt = PairAttempt(
-                self.registry,
-                self._channel,
-                self._tracer,
-                decision,
-                self._spec(req, progress),
-                self.transfer_deadline_s,
-                self._background,
-            )
-            try:
-                # aclosing: the attempt's cleanup (in-flight counts, aborting the call on the
-                # replicas) must run when we stop, not whenever it is garbage-collected.
-                async with contextlib.aclosing(attempt.run()) as pieces:
-                    async for piece in pieces:
-                        chunk = stream.chunk(piece)
-                        yield chunk
-                        if chunk.finished:
-                            self.affinity.remember(
-                                req.user, req.prompt_token_ids, decision.decode.worker_id
-                            )
-                            return
-            except ReplicaLost as lost:
-                if progress.remaining_tokens <= 0:  # lost right after the last token
-                    yield stream.finish("length")
-                    return
-                failed.add(lost.worker_id)
-                decision = self._migrate(req, progress, decision, lost, failed)
-                if stream.pending_meta is not None:  # nothing streamed yet: name the new pair
-                    stream.pending_meta.update(
-                        replica=decision.describe(), routing=decision.reasoning
-                    )
-
-    def _migrate(
-        self,
-        req: GenerationRequest,
-        progress: StreamProgress,
-        failed_pair: RoutingDecision,
-        lost: ReplicaLost,
-        failed: set[str],
-    ) -> RoutingDecision:
-        if not progress.can_migrate:
-            raise BackendError(progress.give_up_message(lost)) from lost
-        decision = self._route(req, progress.attempt_prompt(), failed)
-        if decision is None:
-            raise BackendError(
-                f"{progress.give_up_message(lost)} (no healthy replica pair left for '{req.model}')"
-            ) from lost
-        migration = progress.record(failed_pair.describe(), decision.describe(), lost.reason)
-        log.warning(
-            "request %s migrated from %s to %s after %d tokens: %s",
-            req.request_id,
-            migration.from_replica,
-            migration.to_replica,
-            migration.after_tokens,
-            lost.reason,
-        )
-        return decision
-
-    def _spec(self, req: GenerationRequest, progress: StreamProgress) -> pb.GenerateSpec:
-        return pb.GenerateSpec(
-            request_id=progress.attempt_request_id(),
+        spec = pb.GenerateSpec(
+            request_id=req.request_id,
             model=req.model,
-            prompt_token_ids=progress.attempt_prompt(),
-            sampling=params_to_proto(progress.attempt_params()),
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=params_to_proto(req.params),
             priority=req.priority,
-            # Prompt logprobs are the client's prompt's: asked of the attempt that starts it.
-            prompt_logprobs=req.prompt_logprobs and not progress.streamed,
+            prompt_logprobs=req.prompt_logprobs,
         )
-
-
-class _ClientStream:
-    """Turns pieces from successive attempts into the client's one stream: text through one
-    detokenizer and stop-string tracker, counters relative to the client's own prompt."""
-
-    def __init__(self, progress: StreamProgress, tracker: TextTracker):
-        self.progress = progress
-        self.tracker = tracker
-        self.pending_meta: dict[str, Any] | None = None  # goes on the next chunk
-        self._output_base = 0  # output tokens streamed before the current attempt
-        self._attempt = 0
-        # The attempt that streamed the first token: its prompt is the client's, so its cache
-        # hits, prompt logprobs and transfer are the ones to report (a continuation's are not).
-        self._origin: int | None = None
-        self._num_cached = 0
-        self._last_replica: str | None = None
-
-    def chunk(self, piece: Piece) -> GenerationChunk:
-        progress = self.progress
-        if progress.attempt != self._attempt:
-            self._attempt = progress.attempt
-            self._output_base = len(progress.streamed)
-        if self._origin is None:
-            self._origin = progress.attempt
-        origin = self._origin == progress.attempt
-        if origin:
-            self._num_cached = piece.num_cached_tokens
-        progress.streamed.extend(piece.token_ids)
-        meta = self.pending_meta
-        self.pending_meta = None
-        if piece.transfer is not None and origin:
-            meta = {**(meta or {}), "transfer": piece.transfer}
-        out = self._make(
-            piece.token_ids,
-            piece.finished,
-            piece.finish_reason,
-            self._output_base + piece.num_output_tokens,
-            piece.replica,
-            meta,
+        attempt = PairAttempt(
+            self.registry,
+            self._channel,
+            self._tracer,
+            decision,
+            spec,
+            self.transfer_deadline_s,
+            self._background,
         )
-        out.logprobs = piece.logprobs
-        if origin and piece.prompt_logprobs is not None:
-            out.prompt_logprobs = piece.prompt_logprobs
-        return out
-
-    def finish(self, reason: str) -> GenerationChunk:
-        n = len(self.progress.streamed)
-        return self._make([], True, reason, n, self._last_replica, None)
-
-    def _make(self, tokens, finished, reason, outputs, replica, meta) -> GenerationChunk:
-        text, hit_stop = self.tracker.feed(tokens) if tokens else ("", False)
-        if hit_stop:
-            finished, reason = True, "stop"
-        elif finished:
-            text += self.tracker.finish()
-        if finished and self.progress.migrations:
-            meta = {**(meta or {}), "migrations": self.progress.metadata()}
-        self._last_replica = replica
-        return GenerationChunk(
-            token_ids=tokens,
-            text=text,
-            finished=finished,
-            finish_reason=reason if finished else None,
-            num_prompt_tokens=len(self.progress.prompt_token_ids),
-            num_cached_tokens=self._num_cached,
-            num_output_tokens=outputs,
-            replica=replica,
-            metadata=meta,
-        )
+        first = True
+        async with contextlib.aclosing(attempt.run()) as chunks:
+            async for chunk in chunks:
+                if first:
+                    first = False
+                    # The pair took the request: the conversation's next turn should find it.
+                    self.affinity.remember(
+                        req.user, req.prompt_token_ids, decision.decode.worker_id
+                    )
+                    meta = {"replica": decision.describe(), "routing": decision.reasoning}
+                    meta.update(current_trace_metadata())
+                    chunk.metadata = {**meta, **(chunk.metadata or {})}
+                yield chunk
 
 
 async def reap_forever(registry: WorkerRegistry, interval_s: float) -> None:

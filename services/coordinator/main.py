@@ -113,6 +113,7 @@ def api_settings(config: DeploymentConfig) -> APISettings:
         max_body_bytes=c.max_body_bytes,
         max_tokens_limit=c.max_tokens_limit,
         default_max_tokens=min(c.default_max_tokens, c.max_tokens_limit),
+        max_migrations=c.max_migrations,
         api_keys=api_keys(config),
         keys=keyed_api_keys(config),
         tiers=config.tiers,
@@ -136,13 +137,7 @@ async def serve_coordinator(
     grpc_server.add_insecure_port(f"{host}:{c.registry_port}")
     await grpc_server.start()
     tracing = Tracing.from_config(config.telemetry, "splitserve-coordinator")
-    backend = GrpcBackend(
-        registry,
-        infos,
-        config.transfer.deadline_s,
-        tracing.tracer,
-        max_migrations=config.coordinator.max_migrations,
-    )
+    backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
     settings = api_settings(config)
     app = create_app(backend, settings, tracing)
     server = uvicorn.Server(

@@ -96,17 +96,16 @@ class APIMetrics:
     def count_outcome(
         self, model: str, tier: str, status: int | str, metadata: dict[str, Any]
     ) -> None:
-        """`metadata` is the response's: `attempts` (one entry per model tried, so fallbacks
-        are all but the first; or a `fallback_attempts` count) and `migrations` (a list of
-        moves or a count); absent means none."""
-        fallbacks = max(
-            _count_value(metadata.get("attempts")) - 1,
-            _count_value(metadata.get("fallback_attempts")),
-        )
+        """`metadata` is the response's: `attempts` (one entry per attempt; those with reason
+        `fallback` moved on to another model, `migration` to another pair; entries without
+        a reason count as fallbacks), or the counts `fallback_attempts` and `migrations`
+        (a list of moves or a count); absent means none."""
+        fallbacks, migrations = _attempt_counts(metadata.get("attempts"))
+        fallbacks = max(fallbacks, _count_value(metadata.get("fallback_attempts")))
+        migrations = max(migrations, _count_value(metadata.get("migrations")))
         attempt = min(1 + fallbacks, _MAX_ATTEMPT_LABEL)
         attempt_label = f"{attempt}+" if attempt == _MAX_ATTEMPT_LABEL else str(attempt)
         self.outcomes.labels(model, tier, outcome_of(status), attempt_label).inc()
-        migrations = _count_value(metadata.get("migrations"))
         if migrations:
             self.migrations.labels(model, tier).inc(migrations)
 
@@ -126,12 +125,29 @@ def outcome_of(status: int | str) -> str:
     return str(status)  # stream_error
 
 
-def _count_value(value: Any) -> int:
+def _attempt_counts(value: Any) -> tuple[int, int]:
+    """(fallbacks, migrations) among a response's `attempts`."""
+    attempts = _as_list(value)
+    if not attempts:
+        return 0, 0
+    reasons = [a.get("reason") if isinstance(a, dict) else None for a in attempts]
+    migrations = reasons.count("migration")
+    return len(attempts) - 1 - migrations, migrations
+
+
+def _as_list(value: Any) -> list | None:
     if isinstance(value, str) and value.startswith("["):  # metadata values are strings
         try:
             value = json.loads(value)
         except ValueError:
-            return 0
+            return None
+    return list(value) if isinstance(value, list | tuple) else None
+
+
+def _count_value(value: Any) -> int:
+    if isinstance(value, str) and value.startswith("["):
+        listed = _as_list(value)
+        return 0 if listed is None else len(listed)
     if isinstance(value, list | tuple):
         return len(value)
     try:

@@ -4,10 +4,10 @@ Disaggregated: Prefill on the prefill replica streams the first token the moment
 sampled, and the attempt yields it and opens Decode on the decode replica at once, while the
 prefill replica pushes the KV there (the decode replica waits for it, or prefills locally if
 it never lands); the push's outcome is read in the background and reported with the stream
-(`Piece.transfer`, at the latest on the finished piece). Local prefill (colocated `both`
+(`metadata.transfer`, at the latest on the finished chunk). Local prefill (colocated `both`
 replicas, or a decode replica that prefills the tail itself): one Decode call. The attempt
-yields raw `Piece`s; text, stop strings and counters across attempts are the caller's
-(migration continues a stream on a new pair).
+yields the workers' chunks as they come; text, stop strings and counters across attempts are
+the retry loop's.
 """
 
 from __future__ import annotations
@@ -20,19 +20,20 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from services.coordinator.backend import BackendError, BackendRequestError
-from services.coordinator.migration import LOST_CODES, ReplicaLost
-from services.coordinator.piece import Piece
-from services.coordinator.prefill_call import PrefillCall
+from services.coordinator.backend import (
+    BackendError,
+    BackendRequestError,
+    GenerationChunk,
+    ReplicaLost,
+)
+from services.coordinator.prefill_call import LOST_CODES, PrefillCall
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.rpc_spans import RpcSpan
-from shared.wire.convert import logprob_from_proto, prompt_logprobs_from_proto
-
-__all__ = ["ABORT_TIMEOUT_S", "PairAttempt", "Piece"]
+from shared.wire.convert import decode_chunk
 
 # Aborts sent when a client leaves must not hang on a replica that is itself in trouble.
 ABORT_TIMEOUT_S = 2.0
@@ -60,8 +61,8 @@ class PairAttempt:
     def _stub(self, worker: WorkerInfo) -> pb_grpc.WorkerStub:
         return pb_grpc.WorkerStub(self._channel(worker))
 
-    async def run(self) -> AsyncIterator[Piece]:
-        """Yields pieces until one is finished. Raises ReplicaLost when a replica dies,
+    async def run(self) -> AsyncIterator[GenerationChunk]:
+        """Yields chunks until one is finished. Raises ReplicaLost when a replica dies,
         BackendRequestError for the client's faults, BackendError for anything else.
         Leaving early (client gone) aborts the request on both replicas."""
         decision = self.decision
@@ -85,32 +86,33 @@ class PairAttempt:
                     self._failure,
                     self._background,
                 )
-                piece = await call.first_token()
-                first_token, prefill_cached = piece.token_ids[0], piece.num_cached_tokens
-                finished = piece.finished
+                first = await call.first_token()
+                first_token, prefill_cached = first.token_ids[0], first.num_cached_tokens
+                finished = first.finished
                 if not finished:
                     # Both go on while the client reads the token: the push, and Decode
                     # (opened now, not when the client asks for more: its replica starts
                     # waiting for the KV at once).
                     call.watch_transfer()
                     decoding = self._open_decode(decode, first_token)
-                yield piece
+                yield first
                 if finished:  # nothing was pushed: the first token ended the request
                     return
             if decoding is None:
                 decoding = self._open_decode(decode, None)
             unreported = call
-            async for piece in self._decode(decode, decoding, prefill_cached):
+            async for chunk in self._decode(decode, decoding, prefill_cached):
                 if unreported is not None:
-                    piece.transfer = (
+                    transfer = (
                         await unreported.transfer(self.transfer_deadline_s)
-                        if piece.finished  # the push's outcome belongs in the last chunk
+                        if chunk.finished  # the push's outcome belongs in the last chunk
                         else unreported.transfer_now()
                     )
-                    if piece.transfer is not None:
+                    if transfer is not None:
+                        chunk.metadata = {"transfer": transfer}
                         unreported = None
-                finished = piece.finished
-                yield piece
+                finished = chunk.finished
+                yield chunk
                 if finished:
                     return
         except ReplicaLost as exc:
@@ -142,27 +144,15 @@ class PairAttempt:
 
     async def _decode(
         self, decode: WorkerInfo, decoding: _DecodeCall, prefill_cached: int
-    ) -> AsyncIterator[Piece]:
+    ) -> AsyncIterator[GenerationChunk]:
         call, span = decoding.call, decoding.span
         try:
             async for msg in call:
                 span.record_chunk(len(msg.token_ids), msg.finished, msg.num_output_tokens)
-                yield Piece(
-                    token_ids=list(msg.token_ids),
-                    logprobs=[logprob_from_proto(lp) for lp in msg.logprobs],
-                    finished=msg.finished,
-                    finish_reason=msg.finish_reason or None,
-                    num_prompt_tokens=msg.num_prompt_tokens,
-                    # The decode replica did not compute the prompt: the prefill's count.
-                    num_cached_tokens=msg.num_cached_tokens
-                    if msg.local_prefill
-                    else prefill_cached,
-                    num_output_tokens=msg.num_output_tokens,
-                    replica=decode.worker_id,
-                    prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs)
-                    if msg.prompt_logprobs
-                    else None,
-                )
+                chunk = decode_chunk(msg, decode.worker_id)
+                if not msg.local_prefill:  # the decode replica did not compute the prompt
+                    chunk.num_cached_tokens = prefill_cached
+                yield chunk
                 if msg.finished:
                     return
         except grpc.aio.AioRpcError as exc:

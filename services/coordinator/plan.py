@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from services.coordinator.backend import GenerationRequest, ModelInfo
 from services.coordinator.errors import APIError, bad_request
+from services.coordinator.prompt_tokens import PromptTokens
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
 from services.coordinator.tiers import resolve_tier, tier_priority
@@ -47,8 +48,13 @@ class Plan:
 
 
 def plan_chat(
-    body: ChatCompletionRequest, model: ModelInfo, settings: APISettings, tier: str | None = None
+    body: ChatCompletionRequest,
+    model: ModelInfo,
+    encoder: PromptTokens,
+    settings: APISettings,
+    tier: str | None = None,
 ) -> Plan:
+    """`encoder`: the model's tokenizer, with the pieces earlier turns encoded."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     messages: list[dict[str, Any]] = [
@@ -59,7 +65,7 @@ def plan_chat(
         text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
-    prompt = model.tokenizer.encode(text)
+    prompt = encoder.encode(text)
     limit_param = (
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     )
@@ -87,7 +93,11 @@ def plan_chat(
 
 
 def plan_completion(
-    body: CompletionRequest, model: ModelInfo, settings: APISettings, tier: str | None = None
+    body: CompletionRequest,
+    model: ModelInfo,
+    encoder: PromptTokens,
+    settings: APISettings,
+    tier: str | None = None,
 ) -> Plan:
     if body.suffix:
         raise bad_request("suffix is not supported by this model", "suffix")
@@ -98,7 +108,7 @@ def plan_completion(
     prompts: list[list[int]] = []
     for p in body.prompt:
         if isinstance(p, str):
-            prompts.append(model.tokenizer.encode(p))
+            prompts.append(encoder.encode(p))
             continue
         bad = next((t for t in p if not 0 <= t < vocab), None)
         if bad is not None:

@@ -2,7 +2,7 @@
 
 The prefill replica sends the first token the moment it samples it, then pushes the KV to
 the decode replica and sends the push's outcome. `first_token` returns the first message as
-a `Piece` (the client gets it at once and Decode is opened on it); `watch_transfer` then
+a `GenerationChunk` (the client gets it at once and Decode is opened on it); `watch_transfer` then
 reads the outcome in the background, so the push overlaps the first token's trip to the
 client and the decode replica's wait for the KV.
 
@@ -23,8 +23,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from services.coordinator.migration import LOST_CODES, ReplicaLost
-from services.coordinator.piece import Piece
+from services.coordinator.backend import GenerationChunk, ReplicaLost
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from shared.proto_gen import kvtransfer_pb2 as kv_pb
 from shared.proto_gen import kvtransfer_pb2_grpc as kv_grpc
@@ -32,12 +31,15 @@ from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.telemetry import attributes as A
 from shared.telemetry.rpc_spans import RpcSpan
-from shared.wire.convert import logprob_from_proto, prompt_logprobs_from_proto
+from shared.wire.convert import first_token_chunk
 
 log = logging.getLogger(__name__)
 
 # The decode replica's abort of a receive whose sender died must not hang on it either.
 _ABORT_TIMEOUT_S = 2.0
+
+# A replica that answers with one of these is gone (or going): the request moves elsewhere.
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 Failure = Callable[[WorkerInfo, grpc.aio.AioRpcError], Exception]
 
@@ -79,7 +81,7 @@ class PrefillCall:
         self._closed = False
         prefill.in_flight += 1
 
-    async def first_token(self) -> Piece:
+    async def first_token(self) -> GenerationChunk:
         """The first message; raises what `failure` makes of an RPC error before it."""
         try:
             event = await self._call.read()
@@ -95,17 +97,7 @@ class PrefillCall:
             raise ReplicaLost(self.prefill.worker_id, reason)
         first = event.first_token
         self._span.record_first_token(first)
-        return Piece(
-            token_ids=[first.first_token],
-            logprobs=[logprob_from_proto(first.logprob)] if first.has_logprob else [],
-            finished=first.finished,
-            finish_reason=first.finish_reason or None,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            num_output_tokens=1,
-            replica=self.prefill.worker_id,
-            prompt_logprobs=prompt_logprobs_from_proto(first.prompt_logprobs),
-        )
+        return first_token_chunk(first, self.prefill.worker_id)
 
     def watch_transfer(self) -> None:
         """Reads the push's outcome in the background (once the first token is out)."""

@@ -6,19 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.router.index import ApplyResult, IndexEvent, KVIndex
+from services.router.index import ApplyResult, KVIndex
 from services.router.pipeline import RouterPipeline
 from shared.config.schema import DeploymentConfig
-
-
-@dataclass
-class WorkerLoad:
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    active_kv_tokens: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
+from shared.kvcache.events import KVEvent
+from shared.wire.records import WorkerLoad
 
 
 @dataclass
@@ -29,7 +21,7 @@ class WorkerInfo:
     address: str
     transfer_agent: str
     max_model_len: int
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load: WorkerLoad = WorkerLoad()
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
     in_flight: int = 0  # requests this coordinator has routed there and not yet seen end
@@ -136,15 +128,9 @@ class WorkerRegistry:
 
     # -- KV index ------------------------------------------------------------------------
 
-    def apply_events(
-        self, worker_id: str, events: list[tuple[str, list[int], str, int]], snapshot: bool
-    ) -> ApplyResult:
+    def apply_events(self, worker_id: str, events: list[KVEvent], snapshot: bool) -> ApplyResult:
         """One batch of a worker's KV events; `gap` in the result: it must send a snapshot."""
-        result = self.kv.apply(
-            worker_id,
-            [IndexEvent(kind, tuple(hashes), tier, seq) for kind, hashes, tier, seq in events],  # type: ignore[arg-type]
-            snapshot=snapshot,
-        )
+        result = self.kv.apply(worker_id, events, snapshot=snapshot)
         info = self.workers.get(worker_id)
         if info is not None:
             info.kv_event_seq = self.kv.last_seq(worker_id)

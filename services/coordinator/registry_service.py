@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerLoad, WorkerRegistry
+from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerRegistry
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.wire.convert import kv_event_from_proto, load_from_proto
 
 log = logging.getLogger(__name__)
-
-
-def load_from_proto(m: pb.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(
-        running=m.running,
-        waiting=m.waiting,
-        queued_prefill_tokens=m.queued_prefill_tokens,
-        active_kv_tokens=m.active_kv_tokens,
-        free_blocks=m.free_blocks,
-        total_blocks=m.total_blocks,
-    )
 
 
 class RegistryService(pb_grpc.RegistryServicer):
@@ -76,7 +66,7 @@ class RegistryService(pb_grpc.RegistryServicer):
             info = self.registry.workers.get(batch.worker_id)
             if info is None or not info.alive:
                 continue  # a dead replica's entries stay dropped until it registers again
-            events = [(e.kind, list(e.block_hashes), e.tier, e.seq) for e in batch.events]
+            events = [kv_event_from_proto(e) for e in batch.events]
             result = self.registry.apply_events(batch.worker_id, events, batch.snapshot)
             if result.gap:
                 log.info("KV events from %s skipped a sequence number: resync", batch.worker_id)

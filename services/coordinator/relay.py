@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.coordinator.backend import GenerationBackend, GenerationChunk, GenerationRequest
+from services.coordinator.backend import GenerationChunk, GenerationRequest
+from services.coordinator.retry import RetryLoop
 
 T = TypeVar("T")
 
@@ -29,17 +30,17 @@ class ClientDisconnected(Exception):
 
 
 class ChoiceStreams:
-    """The backend streams of a request's choices, merged into one `(index, chunk)` stream.
+    """The streams of a request's choices, merged into one `(index, chunk)` stream.
 
     `next()` raises the first backend error; `close()` (synchronous, so it is safe inside a
     cancelled scope) cancels the pumps, which closes their iterators and aborts the requests.
     """
 
-    def __init__(self, backend: GenerationBackend, requests: list[GenerationRequest]):
+    def __init__(self, loop: RetryLoop, requests: list[GenerationRequest]):
         self._events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._pending = len(requests)
         self._tasks = [
-            asyncio.create_task(self._pump(i, backend, req), name=f"pump-{req.request_id}")
+            asyncio.create_task(self._pump(i, loop, req), name=f"pump-{req.request_id}")
             for i, req in enumerate(requests)
         ]
 
@@ -61,8 +62,8 @@ class ChoiceStreams:
             if not task.done():
                 task.cancel()
 
-    async def _pump(self, index: int, backend: GenerationBackend, req: GenerationRequest) -> None:
-        stream = backend.generate(req)
+    async def _pump(self, index: int, loop: RetryLoop, req: GenerationRequest) -> None:
+        stream = loop.generate(req)
         try:
             async for chunk in stream:
                 self._events.put_nowait((index, chunk))

@@ -24,19 +24,13 @@ class RoutingDecision:
 
 
 def replica_state(w: WorkerInfo, excluded: bool = False) -> ReplicaState:
-    load = w.load
     return ReplicaState(
         replica_id=w.worker_id,
         role=w.role,  # type: ignore[arg-type]  # checked at registration
         model=w.model,
         alive=w.alive and not excluded,
-        queued_prefill_tokens=load.queued_prefill_tokens,
-        active_kv_tokens=load.active_kv_tokens,
-        running=load.running,
-        waiting=load.waiting,
         in_flight=w.in_flight,
-        free_blocks=load.free_blocks,
-        total_blocks=load.total_blocks,
+        load=w.load,
     )
 
 

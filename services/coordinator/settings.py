@@ -18,6 +18,8 @@ class APISettings:
     # OpenAI's legacy completions default; scoring harnesses rely on it.
     default_completion_max_tokens: int = 16
     max_choices: int = 16  # prompts x n in one request
+    # Times one request may move to another replica pair when one dies under it.
+    max_migrations: int = 2
     # Bearer keys accepted on /v1/*; empty = no authentication.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Keys with tier entitlements; both kinds are accepted when both are given.
@@ -46,6 +48,8 @@ class APISettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_migrations, int) or self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations!r}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(
                 f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "

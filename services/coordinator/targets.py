@@ -6,14 +6,18 @@ from typing import Any
 
 from services.coordinator.backend import ModelInfo
 from services.coordinator.errors import APIError, bad_request
-from services.coordinator.fallback import FallbackPolicy
+from services.coordinator.retry import RetryPolicy
 from services.coordinator.saved_routers import PREFIX, SavedRouters, cel_view
 
 
 def resolve_targets(
-    body: Any, routers: SavedRouters, default_model: str, served: list[ModelInfo]
-) -> tuple[FallbackPolicy, list[ModelInfo]]:
-    """The request's fallback policy and the models it names, each one checked to be served.
+    body: Any,
+    routers: SavedRouters,
+    default_model: str,
+    served: list[ModelInfo],
+    max_migrations: int,
+) -> tuple[RetryPolicy, list[ModelInfo]]:
+    """The request's retry policy and the models it names, each one checked to be served.
 
     A request's own `fallback.ttft_timeout` overrides a saved router's.
     """
@@ -53,4 +57,4 @@ def resolve_targets(
         )
     if timeout is not None and len(models) > 1:
         reasoning.append(f"fallback: {' -> '.join(models)}, TTFT deadline {timeout:g} ms")
-    return FallbackPolicy(models, timeout, reasoning), infos
+    return RetryPolicy(models, timeout, max_migrations, reasoning), infos

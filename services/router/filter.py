@@ -24,16 +24,18 @@ def eligible(replicas: Iterable[ReplicaState], model: str, roles: Sequence[Role]
 
 def over_capacity(r: ReplicaState, cfg: RouterConfig, need_blocks: int) -> str | None:
     """Why this replica has no room for a request needing `need_blocks` KV blocks, or None."""
-    if cfg.max_waiting is not None and r.waiting > cfg.max_waiting:
-        return f"{r.waiting} waiting > {cfg.max_waiting}"
+    load = r.load
+    if cfg.max_waiting is not None and load.waiting > cfg.max_waiting:
+        return f"{load.waiting} waiting > {cfg.max_waiting}"
     if (
         r.can_prefill
         and cfg.max_queued_prefill_tokens is not None
-        and r.queued_prefill_tokens > cfg.max_queued_prefill_tokens
+        and load.queued_prefill_tokens > cfg.max_queued_prefill_tokens
     ):
-        return f"{r.queued_prefill_tokens} queued prefill tokens > {cfg.max_queued_prefill_tokens}"
-    if r.can_decode and r.total_blocks > 0 and r.free_blocks < need_blocks:
-        return f"{r.free_blocks} free KV blocks < {need_blocks} needed"
+        queued = load.queued_prefill_tokens
+        return f"{queued} queued prefill tokens > {cfg.max_queued_prefill_tokens}"
+    if r.can_decode and load.total_blocks > 0 and load.free_blocks < need_blocks:
+        return f"{load.free_blocks} free KV blocks < {need_blocks} needed"
     return None
 
 

@@ -14,18 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-Tier = Literal["device", "host", "disk"]
+from shared.kvcache.events import KVEvent, Tier
+
 TIERS: tuple[Tier, ...] = ("device", "host", "disk")
-
-
-@dataclass(frozen=True)
-class IndexEvent:
-    kind: Literal["stored", "removed"]
-    block_hashes: tuple[int, ...]
-    tier: Tier
-    seq: int
 
 
 @dataclass(frozen=True)
@@ -61,9 +53,7 @@ class KVIndex:
 
     # -- feeding ---------------------------------------------------------------------------
 
-    def apply(
-        self, replica: str, events: Iterable[IndexEvent], snapshot: bool = False
-    ) -> ApplyResult:
+    def apply(self, replica: str, events: Iterable[KVEvent], snapshot: bool = False) -> ApplyResult:
         """Take one batch of a replica's events, in the order it emitted them.
 
         A snapshot replaces everything known about the replica; its events all carry the
@@ -110,12 +100,12 @@ class KVIndex:
                 if not holders:
                     del self._holders[h]
 
-    def _store(self, replica: str, view: ReplicaView, e: IndexEvent) -> None:
+    def _store(self, replica: str, view: ReplicaView, e: KVEvent) -> None:
         for h in e.block_hashes:
             view.held[h] = e.tier
             self._holders.setdefault(h, {})[replica] = e.tier
 
-    def _remove(self, replica: str, view: ReplicaView, e: IndexEvent) -> None:
+    def _remove(self, replica: str, view: ReplicaView, e: KVEvent) -> None:
         # A block moving device -> host is "stored host" then "removed device" (or the other
         # way round): only a removal from the tier we have it in forgets it.
         for h in e.block_hashes:

@@ -1,9 +1,12 @@
-"""What the router knows about one replica when it routes: a frozen snapshot of its load."""
+"""What the router knows about one replica when it routes: who it is, and its load as the
+replica last reported it (the record its heartbeat carried, not a copy of its fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from shared.wire.records import WorkerLoad
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -14,13 +17,8 @@ class ReplicaState:
     role: Role
     model: str
     alive: bool = True
-    queued_prefill_tokens: int = 0  # prompt tokens waiting or mid-prefill (last heartbeat)
-    active_kv_tokens: int = 0  # KV held by running sequences (last heartbeat)
-    running: int = 0
-    waiting: int = 0
     in_flight: int = 0  # routed here by this coordinator, not yet finished
-    free_blocks: int = 0
-    total_blocks: int = 0  # 0: the replica did not report its pool
+    load: WorkerLoad = WorkerLoad()  # last heartbeat
 
     @property
     def can_prefill(self) -> bool:

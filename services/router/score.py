@@ -101,7 +101,7 @@ def prefill_cost(
 def queued_estimate(r: ReplicaState, cfg: RouterConfig) -> int:
     """Queued prompt tokens as of the last heartbeat, plus a guess for what this coordinator
     routed there since (the heartbeat lags by up to an interval)."""
-    return r.queued_prefill_tokens + cfg.in_flight_tokens * r.in_flight
+    return r.load.queued_prefill_tokens + cfg.in_flight_tokens * r.in_flight
 
 
 def score_prefill(
@@ -135,6 +135,6 @@ class DecodeScore:
 def score_decode(r: ReplicaState, cfg: RouterConfig) -> DecodeScore:
     """A decode replica's load: the KV its running sequences hold (every step reads it all),
     plus a per-sequence share for those routed but not yet in a heartbeat."""
-    sequences = r.running + r.in_flight
-    cost = r.active_kv_tokens + cfg.decode_seq_tokens * sequences
-    return DecodeScore(r.replica_id, r.active_kv_tokens, sequences, float(cost))
+    sequences = r.load.running + r.in_flight
+    cost = r.load.active_kv_tokens + cfg.decode_seq_tokens * sequences
+    return DecodeScore(r.replica_id, r.load.active_kv_tokens, sequences, float(cost))

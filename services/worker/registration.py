@@ -18,6 +18,7 @@ from services.worker.runtime import WorkerRuntime
 from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.wire.convert import kv_event_to_proto, load_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def load_proto(runtime: WorkerRuntime) -> pb.WorkerLoad:
         load = runtime.engine.load()
     except RuntimeError:  # a list changed size under us mid-step; report next time
         return pb.WorkerLoad()
-    return pb.WorkerLoad(**load)
+    return load_to_proto(load)
 
 
 class RegistryClient:
@@ -125,10 +126,7 @@ class RegistryClient:
             return
         batch = pb.KVEventBatch(
             worker_id=self.runtime.worker_id,
-            events=[
-                pb.KVEvent(kind=e.kind, block_hashes=e.block_hashes, tier=e.tier, seq=e.seq)
-                for e in events
-            ],
+            events=[kv_event_to_proto(e) for e in events],
         )
         await self._send([batch])
         self._last_seq = events[-1].seq
@@ -145,7 +143,7 @@ class RegistryClient:
             worker_id=self.runtime.worker_id,
             snapshot=True,
             events=[
-                pb.KVEvent(kind="stored", block_hashes=hashes, tier=tier, seq=seq)
+                kv_event_to_proto(KVEvent("stored", tuple(hashes), tier, seq))
                 for tier, hashes in cached.items()
                 if hashes or tier == "device"  # one event even when empty: it carries seq
             ],

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import signal
+from dataclasses import asdict
 
 import grpc
 
@@ -89,7 +90,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "worker_id": rt.worker_id,
             "role": rt.role,
             "steps": rt.async_engine.steps,
-            "load": rt.engine.load(),
+            "load": asdict(rt.engine.load()),
             "prefix_cache": vars(blocks.stats),
             "parked_kv": rt.arrivals.num_parked,
             "kv_receiving": rt.arrivals.count(Stage.RECEIVING),

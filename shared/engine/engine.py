@@ -31,6 +31,7 @@ from shared.speculative.verify import Verified
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.text_tracker import TextTracker
 from shared.tokenizer.tokenizer import Tokenizer
+from shared.wire.records import WorkerLoad
 
 
 class RequestError(ValueError):
@@ -241,21 +242,21 @@ class Engine:
             report["choice"] = self.format_choice.to_json() | {"cached": self.format_choice.cached}
         return report
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> WorkerLoad:
         """What the router weighs: queued prefill work and live KV."""
         sched = self.scheduler
-        return {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "queued_prefill_tokens": sum(
+        return WorkerLoad(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queued_prefill_tokens=sum(
                 s.num_pending_tokens
                 for s in sched.waiting + sched.running
                 if s.num_pending_tokens > 1
             ),
-            "active_kv_tokens": sum(s.num_tokens for s in sched.running),
-            "free_blocks": self.blocks.num_available_blocks,
-            "total_blocks": self.blocks.num_blocks,
-        }
+            active_kv_tokens=sum(s.num_tokens for s in sched.running),
+            free_blocks=self.blocks.num_available_blocks,
+            total_blocks=self.blocks.num_blocks,
+        )
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

@@ -1,6 +1,7 @@
 """KV events: which block hashes entered or left which tier, in one numbered stream.
 
-Workers publish these so the router's block-hash index knows where each prefix lives.
+Workers publish these so the router's block-hash index knows where each prefix lives; the
+index applies the same record (`shared.wire.convert` carries it over the wire).
 One stream per block manager covers all its tiers; ``seq`` only ever grows, so a consumer
 that sees a gap knows it missed events and must resynchronize.
 """
@@ -19,7 +20,7 @@ EventKind = Literal["stored", "removed"]
 @dataclass(frozen=True)
 class KVEvent:
     kind: EventKind
-    block_hashes: list[int]
+    block_hashes: tuple[int, ...]
     tier: Tier
     seq: int
 
@@ -43,7 +44,7 @@ class KVEventLog:
         if not block_hashes:
             return None
         self._last_seq += 1
-        event = KVEvent(kind=kind, block_hashes=list(block_hashes), tier=tier, seq=self._last_seq)
+        event = KVEvent(kind=kind, block_hashes=tuple(block_hashes), tier=tier, seq=self._last_seq)
         self._recent.append(event)
         if self._sink is not None:
             self._sink(event)

@@ -131,9 +131,14 @@ class RequestTrace:
         for key, name in A.METADATA_ATTRIBUTES.items():
             if key in metadata:
                 self.span.set_attribute(name, _number(metadata[key]))
-        attempts = _number(metadata.get("attempts", 0))
-        if isinstance(attempts, int) and attempts > 1:  # every model tried after the first
-            self.span.set_attribute(A.FALLBACK_ATTEMPTS, attempts - 1)
+        attempts = _listed(metadata.get("attempts"))
+        if len(attempts) > 1:  # every attempt after the first, by why it was made
+            reasons = [a.get("reason") if isinstance(a, dict) else None for a in attempts]
+            migrations = reasons.count("migration")
+            if len(attempts) - 1 - migrations:
+                self.span.set_attribute(A.FALLBACK_ATTEMPTS, len(attempts) - 1 - migrations)
+            if migrations:
+                self.span.set_attribute(A.MIGRATIONS, migrations)
         if self.capture_content:
             self.span.set_attribute(A.OUTPUT_MESSAGES, json.dumps(outputs, ensure_ascii=False))
 
@@ -159,6 +164,16 @@ class RequestTrace:
         self._ended = True
         self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         self.span.end()
+
+
+def _listed(value: Any) -> list:
+    """A list from a response's metadata (JSON-encoded when it is string-valued)."""
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return []
+    return list(value) if isinstance(value, list | tuple) else []
 
 
 def _number(value: Any) -> int | str:

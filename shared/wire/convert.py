@@ -1,12 +1,15 @@
-"""worker.proto messages <-> sampling params and logprob records, for both sides of the wire."""
+"""worker.proto messages <-> our records (sampling params, logprobs, chunks, load, KV events):
+the one place each is converted, for both sides of the wire."""
 
 from __future__ import annotations
 
 import math
 
+from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
+from shared.wire.records import GenerationChunk, WorkerLoad
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingOptions:
@@ -67,3 +70,61 @@ def prompt_logprobs_from_proto(values) -> list[float | None] | None:
     if not values:
         return None
     return [None if math.isnan(v) else v for v in values]
+
+
+def first_token_chunk(m: pb.PrefillFirstToken, replica: str) -> GenerationChunk:
+    return GenerationChunk(
+        token_ids=[m.first_token],
+        logprobs=[logprob_from_proto(m.logprob)] if m.has_logprob else [],
+        finished=m.finished,
+        finish_reason=m.finish_reason or None,
+        num_prompt_tokens=m.num_prompt_tokens,
+        num_cached_tokens=m.num_cached_tokens,
+        num_output_tokens=1,
+        replica=replica,
+        prompt_logprobs=prompt_logprobs_from_proto(m.prompt_logprobs),
+    )
+
+
+def decode_chunk(m: pb.DecodeChunk, replica: str) -> GenerationChunk:
+    return GenerationChunk(
+        token_ids=list(m.token_ids),
+        logprobs=[logprob_from_proto(lp) for lp in m.logprobs],
+        finished=m.finished,
+        finish_reason=m.finish_reason or None,
+        num_prompt_tokens=m.num_prompt_tokens,
+        num_cached_tokens=m.num_cached_tokens,
+        num_output_tokens=m.num_output_tokens,
+        replica=replica,
+        prompt_logprobs=prompt_logprobs_from_proto(m.prompt_logprobs),
+    )
+
+
+def load_to_proto(load: WorkerLoad) -> pb.WorkerLoad:
+    return pb.WorkerLoad(
+        running=load.running,
+        waiting=load.waiting,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        active_kv_tokens=load.active_kv_tokens,
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+    )
+
+
+def load_from_proto(m: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        running=m.running,
+        waiting=m.waiting,
+        queued_prefill_tokens=m.queued_prefill_tokens,
+        active_kv_tokens=m.active_kv_tokens,
+        free_blocks=m.free_blocks,
+        total_blocks=m.total_blocks,
+    )
+
+
+def kv_event_to_proto(e: KVEvent) -> pb.KVEvent:
+    return pb.KVEvent(kind=e.kind, block_hashes=e.block_hashes, tier=e.tier, seq=e.seq)
+
+
+def kv_event_from_proto(m: pb.KVEvent) -> KVEvent:
+    return KVEvent(kind=m.kind, block_hashes=tuple(m.block_hashes), tier=m.tier, seq=m.seq)  # type: ignore[arg-type]  # the worker sent one of ours

@@ -1,9 +1,12 @@
 """Fallback through the real stack: one replica stalls its first token (fault injection, a
-test-only knob), the coordinator cancels it at the TTFT deadline and the next model answers."""
+test-only knob), the coordinator cancels it at the TTFT deadline and the next model answers;
+and when that model's replica then dies mid-stream, the same retry loop migrates the stream
+to its other replica (the last test: it kills one)."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import httpx
 import pytest
@@ -18,11 +21,11 @@ STALL_MS = 20_000  # far past the deadline: only a cancelled attempt can answer 
 DEADLINE_MS = 1500
 
 
-def _model(model_id: str, stall_ms: int) -> dict:
+def _model(model_id: str, stall_ms: int, replicas: int = 1) -> dict:
     return {
         "id": model_id,
         "weights": "fp32",
-        "pools": {"prefill": 0, "decode": 0, "both": 1},
+        "pools": {"prefill": 0, "decode": 0, "both": replicas},
         "worker": {
             "kv_cache_bytes": 64 << 20,
             "host_cache_bytes": 0,
@@ -35,9 +38,14 @@ def _model(model_id: str, stall_ms: int) -> dict:
 @pytest.fixture(scope="module")
 def stack():
     config = {
-        "coordinator": {"port": 0, "registry_port": 0},
+        "coordinator": {
+            "port": 0,
+            "registry_port": 0,
+            "heartbeat_interval_s": 0.5,
+            "heartbeat_timeout_s": 2.0,
+        },
         "transfer": {"backend": "shm"},
-        "models": [_model(SLOW, STALL_MS), _model(FAST, 0)],
+        "models": [_model(SLOW, STALL_MS), _model(FAST, 0, replicas=2)],
         "routers": {
             "resilient": {"models": [SLOW, FAST], "fallback": {"ttft_timeout": DEADLINE_MS}}
         },
@@ -89,3 +97,56 @@ def test_request_level_models_list_falls_back_without_a_saved_router(stack):
     assert data["service_tier"] == "default"
     attempts = json.loads(data["metadata"]["attempts"])
     assert attempts[0]["model"] == SLOW and not attempts[0]["success"]
+
+
+def _stream(stack, body: dict, kill_after_tokens: int | None = None) -> tuple[list[dict], str]:
+    """Streams `body`; after `kill_after_tokens` content chunks, SIGKILLs the replica the
+    first chunk's metadata named. Returns (events, that replica's worker id)."""
+    events, victim, seen = [], "", 0
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            events.append(event)
+            if not victim and event.get("metadata", {}).get("replica"):
+                victim = event["metadata"]["replica"].split("->")[-1]
+            if any(c["delta"].get("content") for c in event.get("choices", [])):
+                seen += 1
+                if seen == kill_after_tokens:
+                    # Worker ids end with the process id: the launcher's process of the replica.
+                    (name,) = [
+                        n for n, p in stack.processes.items() if victim.endswith(f"-{p.pid}")
+                    ]
+                    stack.processes[name].kill(signal.SIGKILL)
+    return events, victim
+
+
+def test_fallback_on_the_deadline_then_migration_after_a_replica_dies(stack):
+    """One loop, three attempts: the stalled model misses its deadline, the next model's
+    replica is killed mid-stream, its other replica carries the stream on to the end."""
+    story = {"messages": [{"role": "user", "content": "Tell a long story about a fox."}]}
+    common = {**story, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+    baseline, _ = _stream(stack, {**common, "model": FAST})
+    events, victim = _stream(stack, {**common, "model": "router/resilient"}, kill_after_tokens=6)
+    assert not [e for e in events if "error" in e]
+    assert _content(events) == _content(baseline)  # greedy: the moves changed nothing
+    attempts = json.loads(events[-1]["metadata"]["attempts"])
+    assert [(a["model"], a["reason"], a["success"]) for a in attempts] == [
+        (SLOW, "first", False),
+        (FAST, "fallback", False),
+        (FAST, "migration", True),
+    ]
+    stalled, lost, moved = attempts
+    assert f"{DEADLINE_MS} ms" in stalled["error"]
+    assert lost["replica"] == victim and victim in lost["error"]
+    assert moved["replica"] not in (None, victim) and moved["after_tokens"] >= 6
+    reasoning = json.loads(events[-1]["metadata"]["reasoning"])
+    assert any("missed the 1500 ms TTFT deadline" in line for line in reasoning)
+    assert any(line.startswith("migration: ") for line in reasoning)
+    assert events[0]["model"] == FAST
+
+
+def _content(events: list[dict]) -> str:
+    return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))

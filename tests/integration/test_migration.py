@@ -81,10 +81,12 @@ def test_kill_decode_mid_stream_migrates_and_text_is_unchanged(stack):
     assert not [e for e in events if "error" in e]
     assert _text(events) == _text(baseline)
     finals = [e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")]
-    migrations = json.loads(finals[-1]["metadata"]["migrations"])
-    assert len(migrations) == 1
-    assert migrations[0]["from"].endswith(victim) and victim not in migrations[0]["to"]
-    assert migrations[0]["after_tokens"] >= 10
+    attempts = json.loads(finals[-1]["metadata"]["attempts"])
+    assert [a["reason"] for a in attempts] == ["first", "migration"]
+    lost, moved = attempts
+    assert lost["replica"].endswith(victim) and victim in lost["error"] and not lost["success"]
+    assert victim not in moved["replica"] and moved["success"]
+    assert moved["after_tokens"] >= 10
     usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
     base_usage = next(e["usage"] for e in reversed(baseline) if e.get("usage"))
     assert usage["prompt_tokens"] == base_usage["prompt_tokens"]

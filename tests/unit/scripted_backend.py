@@ -3,7 +3,8 @@
 Each model id maps to a `Script`: how long before the first token, whether it fails before
 (or instead of) it, how many tokens and how fast. Every call is recorded with whether it
 finished or was closed early (which is how the coordinator aborts a request), so tests can
-check that a fallback cancelled the attempt it gave up on.
+check that a fallback cancelled the attempt it gave up on. Token i is the ids of the text
+"t{i} ", so the coordinator's detokenizer reads "t0 t1 t2 " from three tokens' worth.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Call:
 class ScriptedTestBackend:
     def __init__(self, tokenizer, scripts: dict[str, Script], context_length: int = 2048):
         self.scripts = scripts
+        self.tokenizer = tokenizer
         self.calls: list[Call] = []
         self._infos = [
             ModelInfo(id=m, context_length=context_length, tokenizer=tokenizer) for m in scripts
@@ -67,8 +69,7 @@ class ScriptedTestBackend:
                     await asyncio.sleep(script.token_delay_s)
                 last = i == count - 1
                 yield GenerationChunk(
-                    token_ids=[100 + i],
-                    text=f"t{i} ",
+                    token_ids=self.tokenizer.encode(f"t{i} "),
                     finished=last,
                     finish_reason="length" if last else None,
                     num_prompt_tokens=prompt,

@@ -133,6 +133,8 @@ def test_single_model_still_reports_attempts_and_reasoning(real_tokenizer):
     assert meta(data, "attempts") == [
         {
             "model": FAST,
+            "reason": "first",
+            "after_tokens": 0,
             "replica": "r9",
             "ttft_ms": meta(data, "attempts")[0]["ttft_ms"],
             "success": True,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.coordinator.fallback import FallbackBackend, FallbackPolicy
+from services.coordinator.retry import RetryLoop, RetryPolicy
 from services.decode.service import DecodeService
 from services.kvtransfer.control_client import KvTransferControlClient
 from services.kvtransfer.types import TransferError, TransferState
@@ -139,7 +139,7 @@ async def run_ordered(fleet: Fleet, gates: Gates, rid: str, release) -> list:
     """Streams `rid`; once the client has its first token, `release(rid)` opens the gates
     in the order the scenario wants."""
     chunks: list = []
-    stream = fleet.backend.generate(greedy_request(rid))
+    stream = fleet.loop.generate(greedy_request(rid))
     async with contextlib.aclosing(stream):
         async for chunk in stream:
             chunks.append(chunk)
@@ -342,7 +342,7 @@ def test_client_leaving_during_the_transfer_frees_every_block(
     async def body(fleet: Fleet):
         watch_receives(fleet, gates)
         arrivals = decode_arrivals(fleet)
-        stream = fleet.backend.generate(greedy_request("leaver"))
+        stream = fleet.loop.generate(greedy_request("leaver"))
         async with contextlib.aclosing(stream):
             first = await anext(stream)
             await until(
@@ -375,8 +375,8 @@ def test_fallback_deadline_counts_the_streamed_first_token(
     gates.before_decode.set()
 
     async def body(fleet: Fleet):
-        policy = FallbackPolicy(models=["tiny", "tiny"], ttft_timeout_ms=30_000)
-        backend = FallbackBackend(fleet.backend, policy)
+        policy = RetryPolicy(models=["tiny", "tiny"], ttft_timeout_ms=30_000)
+        backend = RetryLoop(fleet.backend, policy, fleet.loop.tokenizer)
         chunks = []
         stream = backend.generate(greedy_request("fallback"))
         async with contextlib.aclosing(stream):

@@ -133,8 +133,8 @@ def test_event_log_keeps_order_within_a_batch():
     log = KVEventLog(history=2)
     log.emit_changes("host", [("stored", 1), ("stored", 2), ("removed", 1), ("stored", 1)])
     assert [(e.kind, e.block_hashes) for e in log.events_since(0)] == [
-        ("removed", [1]),
-        ("stored", [1]),
+        ("removed", (1,)),
+        ("stored", (1,)),
     ]  # history=2 dropped the first of the three events
     assert log.last_seq == 3
 

@@ -19,6 +19,7 @@ from services.coordinator.backend import (
 )
 from services.coordinator.grpc_backend import GrpcBackend
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
+from services.coordinator.retry import RetryLoop, RetryPolicy
 from services.decode.service import DecodeTransferControl
 from services.kvtransfer.control import add_control_servicer
 from services.worker.runtime import WorkerRuntime
@@ -88,6 +89,7 @@ class Fleet:
     config: DeploymentConfig
     registry: WorkerRegistry
     backend: GrpcBackend
+    loop: RetryLoop  # what the HTTP layer serves a request with: migration lives here
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def role(self, role: str) -> list[Replica]:
@@ -113,10 +115,9 @@ async def start_fleet(
     registry = WorkerRegistry(config, {})
     model = config.model(MODEL)
     info = ModelInfo(id=MODEL, context_length=1024, tokenizer=tokenizer)
-    backend = GrpcBackend(
-        registry, [info], transfer_deadline_s=transfer_deadline_s, max_migrations=max_migrations
-    )
-    fleet = Fleet(config, registry, backend)
+    backend = GrpcBackend(registry, [info], transfer_deadline_s=transfer_deadline_s)
+    policy = RetryPolicy([MODEL], max_migrations=max_migrations)
+    fleet = Fleet(config, registry, backend, RetryLoop(backend, policy, tokenizer))
     for role in ("prefill", "decode", "both"):
         for index in range(getattr(model.pools, role)):
             runtime = WorkerRuntime(config, MODEL, role, index)
@@ -162,9 +163,9 @@ def request(rid: str, max_tokens: int, **params) -> GenerationRequest:
     )
 
 
-async def collect(backend: GrpcBackend, req: GenerationRequest, on_chunk=None):
+async def collect(loop: RetryLoop, req: GenerationRequest, on_chunk=None):
     chunks: list[GenerationChunk] = []
-    async for chunk in backend.generate(req):
+    async for chunk in loop.generate(req):
         chunks.append(chunk)
         if on_chunk is not None:
             await on_chunk(chunks)
@@ -173,6 +174,14 @@ async def collect(backend: GrpcBackend, req: GenerationRequest, on_chunk=None):
 
 def tokens(chunks: list[GenerationChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
+
+
+def migrations(chunk: GenerationChunk) -> list[tuple[dict, dict]]:
+    """(the attempt that lost its replica, the migration that took over), from the metadata."""
+    attempts = chunk.metadata["attempts"]
+    return [
+        (a, b) for a, b in zip(attempts, attempts[1:], strict=False) if b["reason"] == "migration"
+    ]
 
 
 def killer(fleet: Fleet, after_tokens: int, times: int = 1):
@@ -197,8 +206,8 @@ def test_greedy_stream_survives_a_decode_death(tiny_folder, real_tokenizer):
         config = fleet_config(tiny_folder, {"prefill": 1, "decode": 2})
         fleet = await start_fleet(config, real_tokenizer)
         try:
-            baseline = await collect(fleet.backend, request("base", 30))
-            chunks = await collect(fleet.backend, request("moved", 30), killer(fleet, 8))
+            baseline = await collect(fleet.loop, request("base", 30))
+            chunks = await collect(fleet.loop, request("moved", 30), killer(fleet, 8))
             return baseline, chunks, fleet
         finally:
             await fleet.close()
@@ -210,12 +219,13 @@ def test_greedy_stream_survives_a_decode_death(tiny_folder, real_tokenizer):
     assert last.finished and last.finish_reason == "length"
     assert last.num_prompt_tokens == len(PROMPT)
     assert last.num_output_tokens == 30
-    (migration,) = last.metadata["migrations"]
-    assert migration["after_tokens"] >= 8
-    assert migration["from"] != migration["to"]
+    ((lost, moved),) = migrations(last)
+    assert [a["reason"] for a in last.metadata["attempts"]] == ["first", "migration"]
+    assert moved["after_tokens"] >= 8 and moved["success"] and not lost["success"]
+    assert lost["replica"] != moved["replica"]
     dead = [r.info.worker_id for r in fleet.role("decode") if r.dead]
-    assert dead and migration["from"].endswith(dead[0]) and dead[0] not in migration["to"]
-    assert "UNAVAILABLE" in migration["reason"] or "CANCELLED" in migration["reason"]
+    assert dead and lost["replica"].endswith(dead[0]) and dead[0] not in moved["replica"]
+    assert "UNAVAILABLE" in lost["error"] or "CANCELLED" in lost["error"]
     assert chunks[0].metadata["replica"].endswith(dead[0])  # the first chunk named the victim
 
 
@@ -225,7 +235,7 @@ def test_past_the_migration_limit_the_error_says_so(tiny_folder, real_tokenizer)
         fleet = await start_fleet(config, real_tokenizer, max_migrations=1)
         try:
             with pytest.raises(BackendError) as err:
-                await collect(fleet.backend, request("doomed", 40), killer(fleet, 5, times=2))
+                await collect(fleet.loop, request("doomed", 40), killer(fleet, 5, times=2))
             return err.value, fleet
         finally:
             await fleet.close()
@@ -241,7 +251,7 @@ def test_no_pair_left_to_migrate_to_is_a_clear_error(tiny_folder, real_tokenizer
         fleet = await start_fleet(config, real_tokenizer)
         try:
             with pytest.raises(BackendError) as err:
-                await collect(fleet.backend, request("orphan", 40), killer(fleet, 5))
+                await collect(fleet.loop, request("orphan", 40), killer(fleet, 5))
             return err.value
         finally:
             await fleet.close()
@@ -259,7 +269,7 @@ def test_decode_replica_prefills_locally_without_transfer(tiny_folder, real_toke
         config = fleet_config(tiny_folder, {"prefill": 1, "decode": 1})
         fleet = await start_fleet(config, real_tokenizer)
         try:
-            disaggregated = await collect(fleet.backend, request("pd", 12))
+            disaggregated = await collect(fleet.loop, request("pd", 12))
             (decode,) = fleet.role("decode")
             async with grpc.aio.insecure_channel(decode.info.address) as channel:
                 spec = pb.GenerateSpec(
@@ -285,14 +295,14 @@ def test_colocated_replica_serves_and_migrates(tiny_folder, real_tokenizer):
         config = fleet_config(tiny_folder, {"prefill": 0, "decode": 0, "both": 2})
         fleet = await start_fleet(config, real_tokenizer)
         try:
-            baseline = await collect(fleet.backend, request("both", 20))
+            baseline = await collect(fleet.loop, request("both", 20))
 
             async def kill_after_5(chunks):
                 replica = fleet.replicas[chunks[-1].replica]
                 if len(tokens(chunks)) >= 5 and not any(r.dead for r in fleet.replicas.values()):
                     await replica.kill()
 
-            moved = await collect(fleet.backend, request("both-moved", 20), kill_after_5)
+            moved = await collect(fleet.loop, request("both-moved", 20), kill_after_5)
             return baseline, moved
         finally:
             await fleet.close()
@@ -300,7 +310,7 @@ def test_colocated_replica_serves_and_migrates(tiny_folder, real_tokenizer):
     baseline, moved = asyncio.run(main())
     assert "->" not in baseline[0].metadata["replica"]  # one Decode call, local prefill
     assert tokens(moved) == tokens(baseline)
-    assert len(moved[-1].metadata["migrations"]) == 1
+    assert len(migrations(moved[-1])) == 1
 
 
 def test_routing_gets_the_conversation_and_the_failed_replicas(
@@ -324,11 +334,11 @@ def test_routing_gets_the_conversation_and_the_failed_replicas(
         try:
             turn1 = request("turn1", 6)
             turn1.user = "alice"
-            first = await collect(fleet.backend, turn1)
+            first = await collect(fleet.loop, turn1)
             turn2 = request("turn2", 20)
             turn2.user = "alice"
             turn2.prompt_token_ids = PROMPT + tokens(first) + [5, 6, 7]
-            await collect(fleet.backend, turn2, killer(fleet, 4))
+            await collect(fleet.loop, turn2, killer(fleet, 4))
             return first, fleet
         finally:
             await fleet.close()
@@ -350,8 +360,8 @@ def test_prefill_death_before_the_first_token_moves_the_whole_request(tiny_folde
         )
         fleet = await start_fleet(config, real_tokenizer)
         try:
-            baseline = await collect(fleet.backend, request("whole", 10))
-            task = asyncio.create_task(collect(fleet.backend, request("moved-early", 10)))
+            baseline = await collect(fleet.loop, request("whole", 10))
+            task = asyncio.create_task(collect(fleet.loop, request("moved-early", 10)))
             await asyncio.sleep(0.1)  # inside the injected delay: no token yet
             (busy,) = [r for r in fleet.role("prefill") if r.info.in_flight]
             await busy.kill()
@@ -361,6 +371,7 @@ def test_prefill_death_before_the_first_token_moves_the_whole_request(tiny_folde
 
     baseline, moved, victim = asyncio.run(main())
     assert tokens(moved) == tokens(baseline)
-    (migration,) = moved[-1].metadata["migrations"]
-    assert migration["after_tokens"] == 0 and migration["from"].startswith(victim)
+    ((lost, migration),) = migrations(moved[-1])
+    assert migration["after_tokens"] == 0 and lost["error"].startswith(f"replica {victim} lost")
+    assert lost["replica"] is None  # it died before its first chunk named the pair
     assert victim not in moved[0].metadata["replica"]  # the first chunk names the new pair

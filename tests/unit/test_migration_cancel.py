@@ -46,7 +46,7 @@ async def settled(fleet: Fleet, start: dict[str, int], timeout_s: float = 5.0) -
 
 async def consume_then_leave(fleet: Fleet, rid: str, n_chunks: int) -> int:
     got = 0
-    stream = fleet.backend.generate(request(rid, 200))
+    stream = fleet.loop.generate(request(rid, 200))
     async with contextlib.aclosing(stream):
         async for _chunk in stream:
             got += 1
@@ -89,7 +89,7 @@ def test_leaving_during_prefill_frees_blocks_everywhere(tiny_folder, real_tokeni
         fleet = await start_fleet(config, real_tokenizer)
         try:
             start = await free_blocks(fleet)
-            task = asyncio.create_task(collect(fleet.backend, request("early", 50)))
+            task = asyncio.create_task(collect(fleet.loop, request("early", 50)))
             await asyncio.sleep(0.1)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -173,7 +173,7 @@ def test_first_token_delay_fault_holds_the_first_token(
         )
         fleet = await start_fleet(config, real_tokenizer)
         try:
-            async for chunk in fleet.backend.generate(request("slow", 4)):
+            async for chunk in fleet.loop.generate(request("slow", 4)):
                 events.append("chunk")
                 if chunk.finished:
                     break

@@ -1,4 +1,4 @@
-"""The pure parts of migration and cancellation: what a continuation asks for, the
+"""The pure parts of retries and cancellation: what each attempt asks for, the
 conversation-affinity LRU, the worker's cancelled-request memory, the fault knob's schema."""
 
 from __future__ import annotations
@@ -6,44 +6,64 @@ from __future__ import annotations
 import pytest
 
 from services.coordinator.affinity import ConversationAffinity
-from services.coordinator.migration import ReplicaLost, StreamProgress
+from services.coordinator.attempts import RequestProgress, attempt_request_id
+from services.coordinator.backend import GenerationRequest, ReplicaLost
 from services.worker.runtime import CancelledRequests
 from shared.config.schema import ConfigError, parse_config
 from shared.sampling.params import SamplingParams
 
 
-def progress(max_tokens: int = 10, limit: int = 2) -> StreamProgress:
+def progress(max_tokens: int = 10) -> RequestProgress:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=7, stop=("x",))
-    return StreamProgress("r1", [1, 2, 3], params, limit)
+    request = GenerationRequest("r1", "m", [1, 2, 3], params, 1, "default", prompt_logprobs=True)
+    return RequestProgress(request)
+
+
+def test_one_id_scheme_for_every_attempt():
+    assert attempt_request_id("r1", 0) == "r1"
+    assert [attempt_request_id("r1", n) for n in (1, 2)] == ["r1~1", "r1~2"]
 
 
 def test_first_attempt_is_the_request_itself():
     p = progress()
-    assert p.attempt_request_id() == "r1"
-    assert p.attempt_prompt() == [1, 2, 3]
-    assert p.attempt_params() is p.params
+    attempt, sub = p.begin("m", "first")
+    assert sub.request_id == "r1" and sub.exclude == frozenset()
+    assert sub.prompt_token_ids == [1, 2, 3] and sub.prompt_logprobs
+    assert sub.params is p.request.params
+    assert (attempt.reason, attempt.after_tokens) == ("first", 0)
+
+
+def test_a_fallback_before_any_token_asks_the_same_of_another_model():
+    p = progress()
+    p.begin("m", "first")
+    attempt, sub = p.begin("other", "fallback")
+    assert (sub.request_id, sub.model, sub.prompt_token_ids) == ("r1~1", "other", [1, 2, 3])
+    assert sub.prompt_logprobs and sub.params is p.request.params
 
 
 def test_continuation_carries_streamed_tokens_and_the_rest_of_the_budget():
     p = progress(max_tokens=10)
+    p.begin("m", "first")
     p.streamed.extend([9, 8, 7, 6])
-    m = p.record("P0->D0", "P0->D1", "UNAVAILABLE: gone")
-    assert (m.after_tokens, p.attempt) == (4, 1)
-    assert p.attempt_request_id() == "r1~m1"
-    assert p.attempt_prompt() == [1, 2, 3, 9, 8, 7, 6]
-    params = p.attempt_params()
-    assert params.max_tokens == 6  # prompt + output still ends where the original would
-    assert (params.seed, params.stop, params.temperature) == (7, ("x",), 0.0)
-    assert p.metadata() == [
-        {"from": "P0->D0", "to": "P0->D1", "after_tokens": 4, "reason": "UNAVAILABLE: gone"}
-    ]
+    p.exclude.add("D0")
+    attempt, sub = p.begin("m", "migration")
+    assert (attempt.after_tokens, p.migrations) == (4, 1)
+    assert sub.request_id == "r1~1" and sub.exclude == frozenset({"D0"})
+    assert sub.prompt_token_ids == [1, 2, 3, 9, 8, 7, 6]
+    assert sub.params.max_tokens == 6  # prompt + output still ends where the original would
+    assert (sub.params.seed, sub.params.stop, sub.params.temperature) == (7, ("x",), 0.0)
+    assert not sub.prompt_logprobs  # the client's prompt was the first attempt's
+    assert p.request.prompt_token_ids == [1, 2, 3]  # the client's request is untouched
+    assert [a["reason"] for a in p.metadata()] == ["first", "migration"]
 
 
-def test_limit_and_give_up_message():
-    p = progress(limit=1)
-    assert p.can_migrate
-    p.record("a", "b", "x")
-    assert not p.can_migrate
+def test_give_up_message_counts_the_moves_that_got_a_pair():
+    p = progress()
+    first, _ = p.begin("m", "first")
+    first.replica = "P0->D0"
+    moved, _ = p.begin("m", "migration")
+    moved.replica = "P0->D1"
+    p.begin("m", "migration")  # found no pair
     message = p.give_up_message(ReplicaLost("D1", "CANCELLED: boom"))
     assert message.endswith("migrated 1 times; giving up")
     assert "D1" in message and "CANCELLED: boom" in message

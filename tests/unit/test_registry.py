@@ -7,6 +7,7 @@ import pytest
 from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerRegistry
 from services.coordinator.routing import choose_pair
 from shared.config.schema import parse_config
+from shared.kvcache.events import KVEvent
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def test_ready_only_when_every_configured_worker_is_alive(registry):
 def test_missed_heartbeats_leave_the_pool_and_drop_kv(registry):
     registry.register(_worker("p0", "prefill"))
     registry.register(_worker("d0", "decode"))
-    registry.apply_events("d0", [("stored", [1, 2, 3], "device", 1)], snapshot=False)
+    registry.apply_events("d0", [KVEvent("stored", (1, 2, 3), "device", 1)], snapshot=False)
     now = registry.workers["d0"].last_seen
     assert set(registry.reap(now + 10)) == {"p0", "d0"}
     assert not registry.workers["d0"].alive
@@ -64,12 +65,17 @@ def test_missed_heartbeats_leave_the_pool_and_drop_kv(registry):
 def test_kv_index_events_and_snapshot(registry):
     registry.register(_worker("d0", "decode"))
     registry.apply_events(
-        "d0", [("stored", [1, 2, 3], "device", 1), ("stored", [4], "host", 2)], False
+        "d0",
+        [
+            KVEvent("stored", (1, 2, 3), "device", 1),
+            KVEvent("stored", (4,), "host", 2),
+        ],
+        False,
     )
     assert registry.cached_prefix_blocks("d0", [1, 2, 3, 4, 9]) == (4, "host")
-    registry.apply_events("d0", [("removed", [2], "device", 3)], False)
+    registry.apply_events("d0", [KVEvent("removed", (2,), "device", 3)], False)
     assert registry.cached_prefix_blocks("d0", [1, 2, 3]) == (1, "device")
-    registry.apply_events("d0", [("stored", [7], "device", 9)], snapshot=True)
+    registry.apply_events("d0", [KVEvent("stored", (7,), "device", 9)], snapshot=True)
     assert registry.cached_prefix_blocks("d0", [1]) == (0, None)
     assert registry.cached_prefix_blocks("d0", [7]) == (1, "device")
     assert registry.workers["d0"].kv_event_seq == 9

@@ -8,7 +8,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.index import IndexEvent, KVIndex, PrefixHit
+from services.router.index import KVIndex, PrefixHit
+from shared.kvcache.events import KVEvent
 
 REPLICAS = ("r0", "r1", "r2")
 TIERS = ("device", "host", "disk")
@@ -21,7 +22,7 @@ class TrueReplica:
         self.name = name
         self.held: dict[int, str] = {}
         self.seq = 0
-        self.outbox: list[IndexEvent] = []
+        self.outbox: list[KVEvent] = []
 
     def change(self, kind: str, hashes: tuple[int, ...], tier: str) -> None:
         self.seq += 1
@@ -30,14 +31,14 @@ class TrueReplica:
                 self.held[h] = tier
             elif self.held.get(h) == tier:
                 del self.held[h]
-        self.outbox.append(IndexEvent(kind, hashes, tier, self.seq))  # type: ignore[arg-type]
+        self.outbox.append(KVEvent(kind, hashes, tier, self.seq))  # type: ignore[arg-type]
 
-    def snapshot(self) -> list[IndexEvent]:
+    def snapshot(self) -> list[KVEvent]:
         by_tier: dict[str, list[int]] = {}
         for h, tier in sorted(self.held.items()):
             by_tier.setdefault(tier, []).append(h)
-        events = [IndexEvent("stored", tuple(hs), t, self.seq) for t, hs in by_tier.items()]  # type: ignore[arg-type]
-        return events or [IndexEvent("stored", (), "device", self.seq)]
+        events = [KVEvent("stored", tuple(hs), t, self.seq) for t, hs in by_tier.items()]  # type: ignore[arg-type]
+        return events or [KVEvent("stored", (), "device", self.seq)]
 
 
 change = st.tuples(
@@ -100,7 +101,7 @@ def test_index_equals_the_replicas_true_holdings(steps):
 def test_interleaving_across_replicas_does_not_matter(changes):
     """Two coordinators get each replica's batches in order, interleaved differently."""
     truth = {name: TrueReplica(name) for name in REPLICAS}
-    batches: dict[str, list[list[IndexEvent]]] = {name: [] for name in REPLICAS}
+    batches: dict[str, list[list[KVEvent]]] = {name: [] for name in REPLICAS}
     for (name, kind, hashes, tier), cut in changes:
         truth[name].change(kind, hashes, tier)
         if cut:
@@ -125,27 +126,27 @@ def test_interleaving_across_replicas_does_not_matter(changes):
 
 def test_a_gap_makes_the_view_stale_until_a_snapshot():
     index = KVIndex()
-    index.apply("r0", [IndexEvent("stored", (1, 2), "device", 1)])
+    index.apply("r0", [KVEvent("stored", (1, 2), "device", 1)])
     assert index.prefix("r0", [1, 2]) == PrefixHit(device=2)
-    result = index.apply("r0", [IndexEvent("stored", (3,), "device", 3)])  # seq 2 was lost
+    result = index.apply("r0", [KVEvent("stored", (3,), "device", 3)])  # seq 2 was lost
     assert result.gap and index.is_stale("r0")
     assert index.prefix("r0", [1, 2]) == PrefixHit()  # never route on a view we cannot trust
-    assert index.apply("r0", [IndexEvent("stored", (4,), "device", 4)]).applied == 0
-    index.apply("r0", [IndexEvent("stored", (1, 2, 3), "host", 3)], snapshot=True)
+    assert index.apply("r0", [KVEvent("stored", (4,), "device", 4)]).applied == 0
+    index.apply("r0", [KVEvent("stored", (1, 2, 3), "host", 3)], snapshot=True)
     assert not index.is_stale("r0")
     assert index.prefix("r0", [1, 2, 3, 9]) == PrefixHit(host=3)
-    index.apply("r0", [IndexEvent("removed", (2,), "host", 4)])
+    index.apply("r0", [KVEvent("removed", (2,), "host", 4)])
     assert index.prefix("r0", [1, 2, 3]) == PrefixHit(host=1)
 
 
 def test_duplicates_are_ignored_and_a_tier_move_keeps_the_block():
     index = KVIndex()
-    index.apply("r0", [IndexEvent("stored", (5,), "device", 1)])
-    index.apply("r0", [IndexEvent("stored", (5,), "device", 1)])  # replayed batch
+    index.apply("r0", [KVEvent("stored", (5,), "device", 1)])
+    index.apply("r0", [KVEvent("stored", (5,), "device", 1)])  # replayed batch
     # Spilled to host: stored there, then removed from device. Only the device copy goes.
     index.apply(
         "r0",
-        [IndexEvent("stored", (5,), "host", 2), IndexEvent("removed", (5,), "device", 3)],
+        [KVEvent("stored", (5,), "host", 2), KVEvent("removed", (5,), "device", 3)],
     )
     assert index.holders(5) == {"r0": "host"}
     assert index.last_seq("r0") == 3

@@ -7,10 +7,12 @@ import random
 
 import pytest
 
-from services.coordinator.registry import WorkerInfo, WorkerLoad, WorkerRegistry
+from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import choose_pair
 from shared.config.schema import parse_config
+from shared.kvcache.events import KVEvent
 from shared.kvcache.hashing import hash_prompt_blocks
+from shared.wire.records import WorkerLoad
 
 MODEL = "SmolLM2-135M-Instruct"
 FINGERPRINT = "fp-1"
@@ -37,7 +39,7 @@ PROMPT = list(range(1000, 1160))  # 10 blocks
 
 def test_kv_aware_prefers_the_prefix_and_explains_why():
     registry = make_registry()
-    registry.apply_events("p1", [("stored", hashes(PROMPT)[:6], "device", 1)], False)
+    registry.apply_events("p1", [KVEvent("stored", tuple(hashes(PROMPT)[:6]), "device", 1)], False)
     decision = choose_pair(registry, MODEL, prompt_token_ids=PROMPT)
     assert decision.prefill.worker_id == "p1"
     text = "\n".join(decision.reasoning)
@@ -59,7 +61,7 @@ def _event_stream(seed: int) -> dict[str, list[list[tuple]]]:
                 seq += 1
                 start = rng.randrange(0, 10)
                 kind = "stored" if rng.random() < 0.75 else "removed"
-                batch.append((kind, hashes(PROMPT)[: start + 1], "device", seq))
+                batch.append(KVEvent(kind, tuple(hashes(PROMPT)[: start + 1]), "device", seq))
             batches.append(batch)
         streams[worker] = batches
     return streams
@@ -86,7 +88,7 @@ def test_two_coordinators_fed_the_same_events_agree(seed):
 def test_local_prefill_on_the_previous_decode_for_a_short_tail():
     registry = make_registry({"in_flight_tokens": 0, "local_prefill_max_tokens": 64})
     turn1 = PROMPT
-    registry.apply_events("d1", [("stored", hashes(turn1), "device", 1)], False)
+    registry.apply_events("d1", [KVEvent("stored", tuple(hashes(turn1)), "device", 1)], False)
     turn2 = turn1 + list(range(5000, 5040))  # 40 new tokens
     decision = choose_pair(registry, MODEL, prompt_token_ids=turn2, previous_decode="d1")
     assert decision.prefill is None and decision.decode.worker_id == "d1"
@@ -101,7 +103,7 @@ def test_local_prefill_on_the_previous_decode_for_a_short_tail():
 
 def test_a_long_tail_goes_through_a_prefill_replica():
     registry = make_registry({"in_flight_tokens": 0, "local_prefill_max_tokens": 64})
-    registry.apply_events("d1", [("stored", hashes(PROMPT), "device", 1)], False)
+    registry.apply_events("d1", [KVEvent("stored", tuple(hashes(PROMPT)), "device", 1)], False)
     turn2 = PROMPT + list(range(5000, 5100))  # 100 new tokens > 64
     decision = choose_pair(registry, MODEL, prompt_token_ids=turn2, previous_decode="d1")
     assert decision.prefill is not None
@@ -110,7 +112,7 @@ def test_a_long_tail_goes_through_a_prefill_replica():
 
 def test_a_dead_previous_decode_is_not_used():
     registry = make_registry({"in_flight_tokens": 0, "local_prefill_max_tokens": 64})
-    registry.apply_events("d1", [("stored", hashes(PROMPT), "device", 1)], False)
+    registry.apply_events("d1", [KVEvent("stored", tuple(hashes(PROMPT)), "device", 1)], False)
     registry.mark_dead("d1")
     decision = choose_pair(
         registry, MODEL, prompt_token_ids=PROMPT + [1] * 20, previous_decode="d1"
@@ -133,7 +135,7 @@ def test_colocated_replicas_are_scored_too():
         registry.register(
             WorkerInfo(name, "both", MODEL, name, name, 8192, tokenizer_fingerprint=FINGERPRINT)
         )
-    registry.apply_events("b1", [("stored", hashes(PROMPT), "device", 1)], False)
+    registry.apply_events("b1", [KVEvent("stored", tuple(hashes(PROMPT)), "device", 1)], False)
     decision = choose_pair(registry, MODEL, prompt_token_ids=PROMPT)
     assert decision.prefill is None and decision.decode.worker_id == "b1"
     assert "colocated replicas" in decision.reasoning
@@ -142,7 +144,7 @@ def test_colocated_replicas_are_scored_too():
 def test_a_shared_system_prompt_alone_does_not_make_a_prefill_local():
     registry = make_registry({"in_flight_tokens": 0, "local_prefill_max_tokens": 256})
     system = PROMPT[:32]
-    registry.apply_events("d0", [("stored", hashes(system), "device", 1)], False)
+    registry.apply_events("d0", [KVEvent("stored", tuple(hashes(system)), "device", 1)], False)
     decision = choose_pair(registry, MODEL, prompt_token_ids=system + [9] * 100)
     assert decision.prefill is not None
     assert any("under 50% of the prompt: disaggregated" in r for r in decision.reasoning)

@@ -11,13 +11,17 @@ from services.router.pick import pick
 from services.router.replica import ReplicaState
 from services.router.score import cached_tokens, prefill_cost, score_decode, score_prefill
 from shared.config.router import RouterConfig
+from shared.wire.records import WorkerLoad
 
 CFG = RouterConfig(in_flight_tokens=0)
 MODEL = "m"
 
 
-def prefill(name: str, queued: int = 0, **kw) -> ReplicaState:
-    return ReplicaState(name, "prefill", MODEL, queued_prefill_tokens=queued, **kw)
+def prefill(
+    name: str, queued: int = 0, in_flight: int = 0, alive: bool = True, **load
+) -> ReplicaState:
+    load = WorkerLoad(queued_prefill_tokens=queued, **load)
+    return ReplicaState(name, "prefill", MODEL, alive, in_flight, load)
 
 
 def test_cached_tokens_by_tier_and_never_the_last_token():
@@ -96,8 +100,8 @@ def test_pick_breaks_ties_by_id_not_by_order():
 
 
 def test_decode_score_counts_kv_and_sequences():
-    light = ReplicaState("d0", "decode", MODEL, active_kv_tokens=1000, running=2)
-    heavy = ReplicaState("d1", "decode", MODEL, active_kv_tokens=300, running=8)
+    light = ReplicaState("d0", "decode", MODEL, load=WorkerLoad(running=2, active_kv_tokens=1000))
+    heavy = ReplicaState("d1", "decode", MODEL, load=WorkerLoad(running=8, active_kv_tokens=300))
     assert score_decode(light, CFG).cost == 1000 + 2 * 256
     assert pick([score_decode(light, CFG), score_decode(heavy, CFG)]).replica_id == "d0"
 
@@ -116,8 +120,8 @@ def test_filter_drops_dead_wrong_model_role_and_full_replicas():
     assert [r.replica_id for r in out.kept] == ["ok"]
     assert any("queued skipped: 5000 queued prefill tokens > 1000" in n for n in out.notes)
     decodes = [
-        ReplicaState("d0", "decode", MODEL, free_blocks=2, total_blocks=100),
-        ReplicaState("d1", "decode", MODEL, free_blocks=50, total_blocks=100),
+        ReplicaState("d0", "decode", MODEL, load=WorkerLoad(free_blocks=2, total_blocks=100)),
+        ReplicaState("d1", "decode", MODEL, load=WorkerLoad(free_blocks=50, total_blocks=100)),
     ]
     assert [r.replica_id for r in filter_replicas(decodes, MODEL, ("decode",), cfg, 10).kept] == [
         "d1"

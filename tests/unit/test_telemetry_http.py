@@ -25,6 +25,7 @@ class ScriptedBackend:
 
     def __init__(self, tokenizer):
         self.info = ModelInfo(id=MODEL, context_length=2048, tokenizer=tokenizer)
+        self.hello, self.there = tokenizer.encode("Hello"), tokenizer.encode(" there")
 
     def models(self):
         return [self.info]
@@ -34,12 +35,11 @@ class ScriptedBackend:
 
     async def generate(self, req):
         n = len(req.prompt_token_ids)
-        yield GenerationChunk([9], "Hello", num_prompt_tokens=n, num_output_tokens=1, replica="r0")
+        yield GenerationChunk(self.hello, num_prompt_tokens=n, num_output_tokens=1, replica="r0")
         if req.params.max_tokens == 13:
             raise BackendError("decode replica vanished")
         yield GenerationChunk(
-            [10],
-            " there",
+            self.there,
             finished=True,
             finish_reason="stop",
             num_prompt_tokens=n,

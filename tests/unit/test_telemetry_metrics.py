@@ -192,3 +192,13 @@ def test_attempts_and_migrations_given_as_json_lists():
     outcome = 'attempt="2",model="m",outcome="success",tier="default"'
     assert f"splitserve_request_outcomes_total{{{outcome}}} 1.0" in text
     assert 'splitserve_request_migrations_total{model="m",tier="default"} 2.0' in text
+
+
+def test_attempts_count_fallbacks_and_migrations_by_their_reason():
+    metrics = APIMetrics()
+    attempts = [{"reason": "first"}, {"reason": "fallback"}, {"reason": "migration"}]
+    metrics.count_outcome("m", "default", 200, {"attempts": json.dumps(attempts)})
+    text = metrics.render().decode()
+    outcome = 'attempt="2",model="m",outcome="success",tier="default"'  # one fallback
+    assert f"splitserve_request_outcomes_total{{{outcome}}} 1.0" in text
+    assert 'splitserve_request_migrations_total{model="m",tier="default"} 1.0' in text

@@ -1,0 +1,251 @@
+"""The one retry loop: a request's attempts, each on one (model, prefill, decode), until one
+finishes it.
+
+- **Fallback** across the request's models: an attempt whose first token misses the TTFT
+  deadline, or that fails before it (5xx, no replica, a replica lost with no migration
+  left), is closed (which aborts it on the workers) and the next model is tried. The last
+  model has no deadline: there is nothing left to fall back to, so waiting beats failing.
+- **Migration** when a replica dies (`ReplicaLost`), before or after the first token: the
+  next attempt goes to the same model on another pair, the dead replica excluded, and
+  continues the client's stream from the tokens it already has (see `attempts`), at most
+  `max_migrations` times. A failed KV transfer needs no new attempt: the decode replica
+  prefills locally and the attempt goes on; its outcome is reported in `metadata.transfer`.
+
+The client sees one stream: text comes from one detokenizer and one stop-string tracker
+fed by every attempt, counters are relative to the client's prompt. The first chunk and the
+last carry `model`, `attempts` (one entry per attempt, with its reason) and `reasoning`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.coordinator.attempts import Attempt, RequestProgress
+from services.coordinator.backend import (
+    BackendError,
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationChunk,
+    GenerationRequest,
+    ReplicaLost,
+)
+from shared.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.tokenizer.text_tracker import TextTracker
+from shared.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MIGRATIONS = 2
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    models: list[str]
+    ttft_timeout_ms: float | None = None  # None: fall back only on failures
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    reasoning: list[str] = field(default_factory=list)  # from choosing the models
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("a retry policy needs at least one model")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
+
+
+class _MissedDeadline(Exception):
+    pass
+
+
+class RetryLoop:
+    """Serves requests from `backend` under `policy`; `tokenizer` turns their ids into text."""
+
+    def __init__(self, backend: GenerationBackend, policy: RetryPolicy, tokenizer: Tokenizer):
+        self.backend = backend
+        self.policy = policy
+        self.tokenizer = tokenizer
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        policy, models = self.policy, self.policy.models
+        progress = RequestProgress(req)
+        stream = _ClientStream(
+            progress,
+            TextTracker(IncrementalDetokenizer(self.tokenizer), req.params.stop),
+            list(policy.reasoning),
+        )
+        index, reason = 0, "first"
+        lost: ReplicaLost | None = None  # the last replica lost, while migrating
+        deadline: float | None = None
+        while True:
+            model, last_model = models[index], index == len(models) - 1
+            attempt, sub = progress.begin(model, reason)
+            started = time.monotonic()
+            if reason != "migration":  # a migration before the first token keeps the clock
+                timeout = None if last_model else policy.ttft_timeout_ms
+                deadline = None if timeout is None else started + timeout / 1000
+            try:
+                # aclosing: the attempt's cleanup (aborting it on the replicas) must run when
+                # we stop, not whenever it is garbage-collected.
+                async with contextlib.aclosing(self.backend.generate(sub)) as chunks:
+                    head = await _head(chunks, None if progress.streamed else deadline)
+                    attempt.ttft_ms = round((time.monotonic() - started) * 1000, 3)
+                    attempt.success = True  # until it fails after all
+                    for chunk in head:
+                        out = stream.relay(chunk, attempt)
+                        yield out
+                        if out.finished:
+                            return
+                    async for chunk in chunks:
+                        out = stream.relay(chunk, attempt)
+                        yield out
+                        if out.finished:
+                            return
+                return  # ended unfinished: the HTTP layer says so
+            except _MissedDeadline:
+                attempt.error = f"no first token within {policy.ttft_timeout_ms:g} ms"
+                stream.reasoning.append(
+                    f"fallback: {model} missed the {policy.ttft_timeout_ms:g} ms TTFT "
+                    f"deadline; cancelled, trying {models[index + 1]}"
+                )
+                index, reason = index + 1, "fallback"
+                continue
+            except ReplicaLost as exc:
+                attempt.success, attempt.error = False, str(exc)
+                progress.exclude.add(exc.worker_id)
+                lost = exc
+                if progress.remaining_tokens <= 0:  # lost right after the last token
+                    yield stream.finish("length")
+                    return
+                if progress.migrations < policy.max_migrations:
+                    log.warning(
+                        "request %s: %s after %d tokens; migrating",
+                        req.request_id,
+                        exc,
+                        len(progress.streamed),
+                    )
+                    stream.reasoning.append(
+                        f"migration: {exc} after {len(progress.streamed)} tokens; "
+                        f"{model} goes on on another pair"
+                    )
+                    reason = "migration"
+                    continue
+                failure: Exception = BackendError(progress.give_up_message(exc))
+                failure.__cause__ = exc
+            except (BackendError, BackendUnavailable) as exc:
+                attempt.success, attempt.error = False, f"{type(exc).__name__}: {exc}"
+                failure = exc
+                if reason == "migration" and lost is not None:
+                    failure = BackendError(
+                        f"{progress.give_up_message(lost)} (no healthy replica pair left for "
+                        f"'{model}': {exc})"
+                    )
+                    failure.__cause__ = exc
+            # This model failed for good: fall back unless the stream has begun.
+            if progress.streamed or last_model:
+                raise failure
+            stream.reasoning.append(
+                f"fallback: {model} failed before its first token ({attempt.error}); "
+                f"trying {models[index + 1]}"
+            )
+            index, reason, lost = index + 1, "fallback", None
+
+
+async def _head(
+    chunks: AsyncIterator[GenerationChunk], deadline: float | None
+) -> list[GenerationChunk]:
+    """The chunks up to and including the first with a token (or the finishing one)."""
+    head: list[GenerationChunk] = []
+    while True:
+        try:
+            if deadline is None:
+                chunk = await anext(chunks)
+            else:
+                chunk = await asyncio.wait_for(anext(chunks), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise _MissedDeadline() from None
+        except StopAsyncIteration:
+            raise BackendError("the backend ended the stream before the first token") from None
+        head.append(chunk)
+        if chunk.token_ids or chunk.finished:
+            return head
+
+
+class _ClientStream:
+    """The client's one stream, from the chunks of successive attempts: text through one
+    detokenizer and stop-string tracker, counters relative to the client's own prompt, the
+    metadata of the attempt that streamed the first token (its prompt is the client's, so its
+    cache hits, prompt logprobs and transfer are the ones to report)."""
+
+    def __init__(self, progress: RequestProgress, tracker: TextTracker, reasoning: list[str]):
+        self.progress = progress
+        self.tracker = tracker
+        self.reasoning = reasoning
+        self._origin: Attempt | None = None
+        self._num_cached = 0
+        self._annotated_head = False  # the client's first token has gone out, annotated
+        self._seen: set[int] = set()  # attempts whose routing is in the reasoning
+        self._last_replica: str | None = None
+
+    def relay(self, chunk: GenerationChunk, attempt: Attempt) -> GenerationChunk:
+        if self._origin is None and (chunk.token_ids or chunk.finished):
+            self._origin = attempt
+        origin = attempt is self._origin
+        meta = chunk.metadata
+        if meta is not None or id(attempt) not in self._seen:
+            self._note(attempt, chunk)
+        if not origin:
+            chunk.metadata, chunk.prompt_logprobs, chunk.prompt_top_logprobs = None, None, None
+        if origin:
+            self._num_cached = chunk.num_cached_tokens
+        self.progress.streamed.extend(chunk.token_ids)
+        chunk.num_output_tokens += attempt.after_tokens
+        return self._finish_chunk(chunk)
+
+    def finish(self, reason: str) -> GenerationChunk:
+        chunk = GenerationChunk(
+            token_ids=[],
+            finished=True,
+            finish_reason=reason,
+            num_output_tokens=len(self.progress.streamed),
+            replica=self._last_replica,
+        )
+        return self._finish_chunk(chunk)
+
+    def _note(self, attempt: Attempt, chunk: GenerationChunk) -> None:
+        """The attempt's pair and routing, from its first chunk (or any with metadata)."""
+        self._seen.add(id(attempt))
+        meta = chunk.metadata or {}
+        attempt.replica = meta.get("replica") or attempt.replica or chunk.replica
+        for line in meta.get("routing") or ():
+            line = f"{attempt.model}: {line}"
+            if line not in self.reasoning:
+                self.reasoning.append(line)
+
+    def _finish_chunk(self, chunk: GenerationChunk) -> GenerationChunk:
+        text, hit_stop = self.tracker.feed(chunk.token_ids) if chunk.token_ids else ("", False)
+        if hit_stop:
+            chunk.finished, chunk.finish_reason = True, "stop"
+        elif chunk.finished:
+            text += self.tracker.finish()
+        else:
+            chunk.finish_reason = None
+        chunk.text = text
+        chunk.num_prompt_tokens = len(self.progress.request.prompt_token_ids)
+        chunk.num_cached_tokens = self._num_cached
+        self._last_replica = chunk.replica or self._last_replica
+        if not self._annotated_head or chunk.finished:
+            self._annotated_head = bool(chunk.token_ids) or chunk.finished
+            self._annotate(chunk)
+        return chunk
+
+    def _annotate(self, chunk: GenerationChunk) -> None:
+        meta = dict(chunk.metadata or {})
+        attempts = self.progress.attempts
+        meta["model"] = (self._origin or attempts[-1]).model
+        meta["attempts"] = self.progress.metadata()
+        meta["reasoning"] = list(self.reasoning)
+        chunk.metadata = meta

@@ -1,0 +1,48 @@
+"""The records that cross a process boundary, one per message kind, as every side holds them.
+
+`convert` turns each into its protobuf and back; nothing else copies them field by field.
+(KV events have theirs beside the log that numbers them: `shared.kvcache.events.KVEvent`.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.sampling.logprob import TokenLogprob
+
+
+@dataclass
+class GenerationChunk:
+    """What one step produced for one request: token ids and counters from the worker's
+    stream, then the text delta (the coordinator's retry loop fills it in) on its way to the
+    SSE encoder."""
+
+    token_ids: list[int]
+    text: str = ""  # delta, safe to show (no partial stop string, no broken UTF-8)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None  # on the first chunk, when asked for
+    # Top alternatives per prompt position (first entry None), when the backend has them;
+    # without them a completions `echo` reports `top_logprobs` null for prompt tokens.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    replica: str | None = None  # which worker(s) served it
+    # Anything else the backend wants on the response's `metadata` (routing, the KV push's
+    # outcome); merged into it as-is, later chunks overriding earlier keys.
+    metadata: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What the router weighs about a replica, as its engine reported it (last heartbeat)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or mid-prefill
+    active_kv_tokens: int = 0  # KV held by running sequences
+    free_blocks: int = 0
+    total_blocks: int = 0  # 0: the replica did not report its pool
