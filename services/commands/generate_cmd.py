@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 
@@ -23,8 +24,9 @@ def add_command(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.coordinator.backend import BackendRequestError
     from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine, RequestError
+    from shared.engine.engine import Engine
     from shared.modelfile.config import ModelFileError
     from shared.modelfile.default import default_model_path
     from shared.sampling.params import SamplingParamError, SamplingParams
@@ -56,21 +58,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
     try:
-        engine.add_request(prompt_ids, params)
-    except RequestError as exc:
-        return fail(f"{exc.param}: {exc}")
-    start = time.perf_counter()
-    first = None
-    n = 0
-    reason = None
-    for out in engine.run_until_done():
-        if first is None:
-            first = time.perf_counter() - start
-        n += len(out.new_token_ids)
-        sys.stdout.write(out.text)
-        sys.stdout.flush()
-        reason = out.finish_reason or reason
-    total = time.perf_counter() - start
+        n, reason, first, total = asyncio.run(_stream(engine, tokenizer, prompt_ids, params))
+    except BackendRequestError as exc:
+        return fail(f"{exc.param}: {exc.message}")
     decode_rate = (n - 1) / (total - first) if n > 1 and first is not None else 0.0
     print(
         f"\n[{n} tokens, finish_reason={reason}, ttft {1000 * (first or 0):.0f} ms, "
@@ -78,6 +68,37 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+async def _stream(engine, tokenizer, prompt_ids: list[int], params):
+    """Writes the reply as it comes; (tokens, finish reason, ttft s, total s).
+
+    Through the in-process backend and the coordinator's retry loop, which makes the text:
+    stop strings and detokenizing behave here exactly as they do behind the API."""
+    from services.coordinator.backend import GenerationRequest
+    from services.coordinator.retry import RetryLoop, RetryPolicy
+    from services.inprocess.engine_backend import EngineBackend
+
+    req = GenerationRequest(
+        request_id="generate",
+        model="local",
+        prompt_token_ids=prompt_ids,
+        params=params,
+        priority=1,
+        service_tier="default",
+    )
+    start = time.perf_counter()
+    first, n, reason = None, 0, None
+    with EngineBackend(engine, model_id="local", tokenizer=tokenizer) as backend:
+        loop = RetryLoop(backend, RetryPolicy(models=["local"]), tokenizer)
+        async for chunk in loop.generate(req):
+            if first is None:
+                first = time.perf_counter() - start
+            n = chunk.num_output_tokens
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            reason = chunk.finish_reason or reason
+    return n, reason, first, time.perf_counter() - start
 
 
 def _is_dir(path: str) -> bool:

@@ -29,6 +29,7 @@ from services.coordinator.pair_attempt import PairAttempt
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
 from shared.proto_gen import worker_pb2 as pb
+from shared.rpc.channels import ChannelPool
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
 from shared.telemetry.rpc_spans import describe_route
@@ -50,7 +51,7 @@ class GrpcBackend:
         self._models = {m.id: m for m in models}
         self.transfer_deadline_s = transfer_deadline_s
         self.affinity = ConversationAffinity(registry.config.block_size)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._background: set[asyncio.Task] = set()
 
     def models(self) -> list[ModelInfo]:
@@ -70,17 +71,12 @@ class GrpcBackend:
         return {"ready": self.registry.is_ready(), "workers": workers}
 
     def _channel(self, worker: WorkerInfo) -> grpc.aio.Channel:
-        channel = self._channels.get(worker.address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(worker.address)
-            self._channels[worker.address] = channel
-        return channel
+        return self._channels.get(worker.address)
 
     async def close(self) -> None:
         if self._background:  # aborts still on their way out
             await asyncio.wait(self._background, timeout=2.0)
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
     def _route(self, req: GenerationRequest) -> RoutingDecision | None:
         with self._tracer.start_as_current_span(A.SPAN_ROUTE) as span:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.router.index import ApplyResult, KVIndex
 from services.router.pipeline import RouterPipeline
+from shared.config.roles import can_decode, can_prefill
 from shared.config.schema import DeploymentConfig
 from shared.kvcache.events import KVEvent
 from shared.wire.records import WorkerLoad
@@ -31,11 +32,11 @@ class WorkerInfo:
 
     @property
     def can_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return can_prefill(self.role)
 
     @property
     def can_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return can_decode(self.role)
 
 
 class RegistrationError(ValueError):

@@ -34,6 +34,7 @@ from services.coordinator.backend import (
     GenerationRequest,
     ReplicaLost,
 )
+from services.coordinator.text_stream import add_text
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.text_tracker import TextTracker
 from shared.tokenizer.tokenizer import Tokenizer
@@ -226,14 +227,9 @@ class _ClientStream:
                 self.reasoning.append(line)
 
     def _finish_chunk(self, chunk: GenerationChunk) -> GenerationChunk:
-        text, hit_stop = self.tracker.feed(chunk.token_ids) if chunk.token_ids else ("", False)
-        if hit_stop:
-            chunk.finished, chunk.finish_reason = True, "stop"
-        elif chunk.finished:
-            text += self.tracker.finish()
-        else:
+        add_text(chunk, self.tracker)  # a stop string finishes it: the loop then returns
+        if not chunk.finished:
             chunk.finish_reason = None
-        chunk.text = text
         chunk.num_prompt_tokens = len(self.progress.request.prompt_token_ids)
         chunk.num_cached_tokens = self._num_cached
         self._last_replica = chunk.replica or self._last_replica

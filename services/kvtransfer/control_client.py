@@ -51,9 +51,10 @@ class PushResult:
 
 
 class KvTransferControlClient:
-    def __init__(self, target: str, *, rpc_timeout_s: float = 10.0):
-        self._channel = grpc.aio.insecure_channel(target)
-        self._stub = pb_grpc.KvTransferControlStub(self._channel)
+    """The prefill side of the control plane over `channel` (owned by the caller's pool)."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, rpc_timeout_s: float = 10.0):
+        self._stub = pb_grpc.KvTransferControlStub(channel)
         self._timeout = rpc_timeout_s
 
     async def prepare_receive(
@@ -96,15 +97,6 @@ class KvTransferControlClient:
             self._stub.Abort, pb.AbortRequest(request_id=request_id, reason=reason)
         )
         return response.aborted
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> KvTransferControlClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def _call(self, method, request):
         try:

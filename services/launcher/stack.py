@@ -18,10 +18,10 @@ import services
 from services.launcher.ports import resolve_ports
 from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
 from services.launcher.readiness import wait_until_ready
-from shared.config.schema import DeploymentConfig, RoleName, dump_config
+from shared.config.roles import WORKER_ROLES, WorkerRole
+from shared.config.schema import DeploymentConfig, dump_config
 
 COORDINATOR = "coordinator"
-_ROLES: tuple[RoleName, ...] = ("prefill", "decode", "both")
 _ANY_ADDRESS = {"", "0.0.0.0", "::"}
 
 
@@ -30,7 +30,7 @@ class WorkerSlot:
     """One worker process of the stack. Names are `prefill-0`; `<model>/prefill-0` if several."""
 
     model_id: str
-    role: RoleName
+    role: WorkerRole
     index: int
     name: str
 
@@ -39,7 +39,7 @@ def worker_slots(config: DeploymentConfig) -> list[WorkerSlot]:
     several = len(config.models) > 1
     slots = []
     for model in config.models:
-        for role in _ROLES:
+        for role in WORKER_ROLES:
             for index in range(getattr(model.pools, role)):
                 name = f"{role}-{index}"
                 slots.append(

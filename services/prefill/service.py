@@ -22,6 +22,7 @@ from services.kvtransfer.types import TransferError
 from services.worker.runtime import WorkerRuntime
 from shared.engine.engine import RequestError
 from shared.proto_gen import worker_pb2 as pb
+from shared.rpc.channels import ChannelPool
 from shared.sampling.params import SamplingParamError
 from shared.wire.convert import logprob_to_proto, params_from_proto, prompt_logprobs_to_proto
 
@@ -38,17 +39,14 @@ _REFUSALS = (
 class PrefillService:
     def __init__(self, runtime: WorkerRuntime):
         self.runtime = runtime
-        self._clients: dict[str, KvTransferControlClient] = {}
+        self._channels = ChannelPool()  # to the decode replicas' control planes
         self._background: set[asyncio.Task] = set()  # aborts sent on cancellation
 
     def _client(self, address: str) -> KvTransferControlClient:
-        if address not in self._clients:
-            self._clients[address] = KvTransferControlClient(address)
-        return self._clients[address]
+        return KvTransferControlClient(self._channels.get(address))
 
     async def close(self) -> None:
-        for client in self._clients.values():
-            await client.close()
+        await self._channels.close()
 
     async def prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext

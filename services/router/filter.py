@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from services.router.replica import ReplicaState, Role
+from services.router.replica import ReplicaState
+from shared.config.roles import WorkerRole
 from shared.config.router import RouterConfig
 
 
@@ -18,7 +19,7 @@ class Filtered:
     notes: list[str] = field(default_factory=list)
 
 
-def eligible(replicas: Iterable[ReplicaState], model: str, roles: Sequence[Role]) -> list:
+def eligible(replicas: Iterable[ReplicaState], model: str, roles: Sequence[WorkerRole]) -> list:
     return [r for r in replicas if r.alive and r.model == model and r.role in roles]
 
 
@@ -42,7 +43,7 @@ def over_capacity(r: ReplicaState, cfg: RouterConfig, need_blocks: int) -> str |
 def filter_replicas(
     replicas: Iterable[ReplicaState],
     model: str,
-    roles: Sequence[Role],
+    roles: Sequence[WorkerRole],
     cfg: RouterConfig,
     need_blocks: int = 0,
 ) -> Filtered:

@@ -4,17 +4,15 @@ replica last reported it (the record its heartbeat carried, not a copy of its fi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from shared.config.roles import WorkerRole, can_decode, can_prefill
 from shared.wire.records import WorkerLoad
-
-Role = Literal["prefill", "decode", "both"]
 
 
 @dataclass(frozen=True)
 class ReplicaState:
     replica_id: str
-    role: Role
+    role: WorkerRole
     model: str
     alive: bool = True
     in_flight: int = 0  # routed here by this coordinator, not yet finished
@@ -22,8 +20,8 @@ class ReplicaState:
 
     @property
     def can_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return can_prefill(self.role)
 
     @property
     def can_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return can_decode(self.role)

@@ -71,7 +71,6 @@ class WorkerRuntime:
         self.engine_config = EngineConfig(
             model=path,
             weights=self.model_cfg.weights,
-            role=role,  # type: ignore[arg-type]
             block_size=config.block_size,
             kv_cache_bytes=worker.kv_cache_bytes,
             host_cache_bytes=worker.host_cache_bytes,

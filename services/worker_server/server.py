@@ -17,6 +17,7 @@ from services.prefill.service import PrefillService
 from services.worker.arrivals import Stage
 from services.worker.registration import RegistrationRefused, RegistryClient
 from services.worker.runtime import WorkerRuntime
+from shared.config.roles import can_decode, can_prefill
 from shared.config.schema import DeploymentConfig
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
@@ -39,10 +40,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.runtime = runtime
         self.telemetry = telemetry
         self.control = control  # decode roles: the KV receives an Abort must stop too
-        self.prefill_service = (
-            PrefillService(runtime) if runtime.role in ("prefill", "both") else None
-        )
-        self.decode_service = DecodeService(runtime) if runtime.role in ("decode", "both") else None
+        self.prefill_service = PrefillService(runtime) if can_prefill(runtime.role) else None
+        self.decode_service = DecodeService(runtime) if can_decode(runtime.role) else None
 
     async def Prefill(self, request, context):
         if self.prefill_service is None:
@@ -90,6 +89,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "worker_id": rt.worker_id,
             "role": rt.role,
             "steps": rt.async_engine.steps,
+            "aborted": rt.engine.num_aborted,
             "load": asdict(rt.engine.load()),
             "prefix_cache": vars(blocks.stats),
             "parked_kv": rt.arrivals.num_parked,
@@ -109,7 +109,7 @@ async def serve_worker(
     )
     runtime.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    control = DecodeTransferControl(runtime) if role in ("decode", "both") else None
+    control = DecodeTransferControl(runtime) if can_decode(role) else None
     servicer = WorkerServicer(runtime, telemetry, control)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     if control is not None:

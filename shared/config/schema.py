@@ -19,7 +19,6 @@ from shared.config.speculative import SpeculativeConfig
 
 TransferBackendName = Literal["shm", "tcp", "nixl", "fake"]
 WeightsName = Literal["fp32", "bf16", "int8", "int4", "native", "native-a8", "auto"]
-RoleName = Literal["prefill", "decode", "both"]
 ExporterName = Literal["none", "file", "otlp_grpc", "otlp_http"]
 
 

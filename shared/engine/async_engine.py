@@ -1,4 +1,5 @@
-"""The engine's step loop on its own thread, with an asyncio face for the gRPC servers.
+"""The engine's step loop on its own thread, with an asyncio face: the one driver of an
+`Engine` for every use (the gRPC workers and the in-process generation backend).
 
 The block manager and the scheduler are single-threaded by design; everything that touches
 them (admission, aborts, reserving blocks for incoming KV) runs on the engine thread between
@@ -25,7 +26,7 @@ _IDLE_WAIT_S = 0.05
 
 
 class EngineStepError(RuntimeError):
-    """The step that carried this request failed; the request was aborted."""
+    """The step that carried this request failed (or the engine stopped); it was aborted."""
 
 
 class AsyncEngine:
@@ -36,15 +37,22 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self.steps = 0
+        self.num_failed_steps = 0
+        self.last_error: str | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        if not self._thread.is_alive():
+            self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(lambda: None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
 
     # -- asyncio side --------------------------------------------------------------------
 
@@ -69,14 +77,14 @@ class AsyncEngine:
 
         Leaving the iterator early (client gone, cancellation) aborts the request.
         """
+        if not self.running:
+            raise EngineStepError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        holder: dict[str, str] = {}
 
         def add_and_listen(engine: Engine) -> str:
             request_id = add(engine)
             self._streams[request_id] = (loop, outputs)
-            holder["id"] = request_id
             return request_id
 
         request_id = await self.call(add_and_listen)
@@ -127,11 +135,15 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug: fail the requests of this step, keep serving
                 log.exception("engine step failed")
-                self._fail_all(exc)
+                self.num_failed_steps += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._fail_all(f"engine step failed: {self.last_error}")
                 continue
             self.steps += 1
             for out in outputs:
                 self._deliver(out.request_id, out)
+        # Stopping: whoever still waits on a stream hears why instead of hanging.
+        self._fail_all("the engine is shutting down")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -150,17 +162,23 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)
         if target is None:
-            return
+            return  # aborted, or a request nobody streams (a prefill kept for hand-off)
         loop, outputs = target
+        if isinstance(item, RequestOutput) and item.finished:
+            del self._streams[request_id]
         try:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
             self._streams.pop(request_id, None)
-
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self._streams):
             self.engine.abort(request_id)
-            self._deliver(request_id, EngineStepError(f"engine step failed: {exc}"))
+
+    def _fail_all(self, reason: str) -> None:
+        for request_id in list(self._streams):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine is already broken; the waiter still hears why
+                log.exception("abort of %s failed", request_id)
+            self._deliver(request_id, EngineStepError(reason))
             self._streams.pop(request_id, None)
 
 

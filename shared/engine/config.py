@@ -8,7 +8,6 @@ from typing import Literal
 from shared.config.speculative import MAX_SPECULATIVE_TOKENS, SpecMethod
 from shared.model.formats import SERVING_FORMATS
 
-Role = Literal["prefill", "decode", "both"]
 PreemptionMode = Literal["recompute", "swap"]
 
 
@@ -20,7 +19,6 @@ BACKGROUND_PRIORITY = 2
 class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2
     weights: str = "fp32"  # one of SERVING_FORMATS; `auto` is chosen by measurement
-    role: Role = "both"
     block_size: int = 16
     kv_cache_bytes: int = 256 * 1024 * 1024
     num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
@@ -50,8 +48,6 @@ class EngineConfig:
             raise ValueError(
                 f"weights must be one of {', '.join(SERVING_FORMATS)}, got {self.weights!r}"
             )
-        if self.role not in ("prefill", "decode", "both"):
-            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

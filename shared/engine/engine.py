@@ -28,8 +28,6 @@ from shared.sampling.params import SamplingParamError, SamplingParams
 from shared.speculative.calibrate import measure_step_costs
 from shared.speculative.proposer import DraftProposer
 from shared.speculative.verify import Verified
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.tokenizer.text_tracker import TextTracker
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.wire.records import WorkerLoad
 
@@ -112,9 +110,11 @@ class Engine:
             lambda: measure_step_costs(self.model, self.pool, self.blocks, config.block_size)
         )
         self.sequences: dict[str, Sequence] = {}
-        self._text: dict[str, TextTracker] = {}
         self._prompt_logprobs: dict[str, list[float | None]] = {}
         self._ids = itertools.count()
+        # Requests stopped before they finished (client gone, migrated, stop string matched
+        # by the coordinator): the figure cancellation tests and operators check.
+        self.num_aborted = 0
         self.stop_token_ids: frozenset[int] = tokenizer.stop_token_ids if tokenizer else frozenset()
         # Called on the engine thread after every non-empty step with (plan, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
@@ -146,10 +146,6 @@ class Engine:
             max_new_tokens=max_new_tokens,
         )
         self.sequences[request_id] = seq
-        if self.tokenizer is not None:
-            self._text[request_id] = TextTracker(
-                IncrementalDetokenizer(self.tokenizer), params.stop
-            )
         if prompt_logprobs:
             self._prompt_logprobs[request_id] = [None]  # the first token has no context
         self.scheduler.add(seq)
@@ -222,10 +218,6 @@ class Engine:
         # The pushed KV is now ours: register its full blocks so later turns reuse them.
         self.blocks.commit_full_blocks(table, prompt_token_ids)
         self.sequences[request_id] = seq
-        if self.tokenizer is not None:
-            tracker = TextTracker(IncrementalDetokenizer(self.tokenizer), params.stop)
-            tracker.feed([first_token])  # already streamed by the prefill side
-            self._text[request_id] = tracker
         self.scheduler.admit_running(seq)
         return request_id
 
@@ -262,12 +254,13 @@ class Engine:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return
+        if not seq.is_finished:  # a finished `keep_kv` prefill being released is no abort
+            self.num_aborted += 1
         self.scheduler.remove(seq)
         if seq.table is not None:  # a finished prefill kept for hand-off
             self.scheduler.release_kv(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
-        self._text.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.speculator.release(request_id)
 
@@ -366,15 +359,14 @@ class Engine:
     def _append_tokens(
         self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None
     ) -> RequestOutput:
-        """Several tokens from one step, emitted one by one so that a stop token, stop string
-        or length limit ends the sequence exactly where plain decoding would."""
+        """Several tokens from one step, emitted one by one so that a stop token or the length
+        limit ends the sequence exactly where plain decoding would."""
         out = self._append_token(seq, tokens[0], logprob)
         for token in tokens[1:]:
             if out.finished:
                 break
             more = self._append_token(seq, token, None)
             out.new_token_ids.extend(more.new_token_ids)
-            out.text += more.text
             out.finished, out.finish_reason = more.finished, more.finish_reason
             out.num_output_tokens = more.num_output_tokens
         return out
@@ -394,23 +386,13 @@ class Engine:
         if seq.request_id in self._prompt_logprobs and len(seq.output_token_ids) == 1:
             out.prompt_logprobs = self._prompt_logprobs.pop(seq.request_id)
         reason = None
-        tracker = self._text.get(seq.request_id)
-        is_stop_token = token in seq.params.stop_token_ids or (
+        if token in seq.params.stop_token_ids or (
             not seq.params.ignore_eos and token in self.stop_token_ids
-        )
-        if tracker is not None and not is_stop_token:
-            out.text, hit_stop = tracker.feed([token])
-            if hit_stop:
-                reason = "stop"
-        if is_stop_token:
-            reason = "stop"
-        elif reason is None and (
-            len(seq.output_token_ids) >= seq.output_limit or seq.num_tokens >= self.max_model_len
         ):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= seq.output_limit or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            if tracker is not None and not (reason == "stop" and not is_stop_token):
-                out.text += tracker.finish()
             out.finished, out.finish_reason = True, reason
             self._finish(seq, reason)
         return out
@@ -420,7 +402,6 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
-        self._text.pop(seq.request_id, None)
         if not seq.keep_kv:
             self.sequences.pop(seq.request_id, None)
 

@@ -1,4 +1,5 @@
-"""What the engine reports per request per step."""
+"""What the engine reports per request per step: token ids and counters, never text (the
+coordinator detokenizes and applies stop strings)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from shared.sampling.logprob import TokenLogprob
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
-    text: str = ""  # text delta safe to show now (no partial stop string, no broken UTF-8)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None  # set once, when the prompt completes
     finished: bool = False

@@ -188,6 +188,13 @@ class EngineStateCollector(Collector):
         hits.add_metric([*values, "host"], stats.host_hit_blocks)
         hits.add_metric([*values, "disk"], stats.disk_hit_blocks)
         yield hits
+        aborted = CounterMetricFamily(
+            "splitserve_engine_aborted_requests",
+            "Requests stopped before they finished (client gone, migrated, stop string)",
+            labels=names,
+        )
+        aborted.add_metric(values, self.engine.num_aborted)
+        yield aborted
         yield from self._weights(names, values)
 
     def _weights(self, names: list[str], values: list[str]) -> Iterator[GaugeMetricFamily]:

@@ -25,6 +25,9 @@ pytestmark = pytest.mark.real_model
 # Well under the transfer deadline (10 s) and the parked-KV TTL (30 s): only an active
 # cancellation frees the blocks this fast.
 SETTLE_S = 5.0
+# The mid-decode request ignores EOS and may run this long (minutes on this CPU): it cannot
+# end by itself while the test watches, so only the abort can settle the workers.
+LONG = 1000
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +47,14 @@ def _stats(address: str) -> dict:
         return json.loads(pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).json)
 
 
-def _body(content: str, max_tokens: int) -> dict:
+def _body(content: str, max_tokens: int, **extra) -> dict:
     return {
         "model": DEFAULT_MODEL_ID,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        **extra,
     }
 
 
@@ -113,10 +117,12 @@ def test_disconnects_free_every_workers_blocks(stack):
     assert busy["load"]["running"] or busy["load"]["waiting"], "never caught the prefill busy"
     _wait_settled(workers, start)
 
+    (decode_address,) = [a for wid, a in workers.items() if "-decode-" in wid]
+    before = _stats(decode_address)
     with httpx.stream(
         "POST",
         f"{stack.base_url}/chat/completions",
-        json=_body("Write a long story about the sea.", 200),
+        json=_body("Write a long story about the sea.", LONG, ignore_eos=True),
         timeout=60,
     ) as resp:
         chunks = 0
@@ -125,7 +131,14 @@ def test_disconnects_free_every_workers_blocks(stack):
             if chunks == 5:
                 break  # leaving the block closes the connection mid-decode
     assert chunks == 5
-    _wait_settled(workers, start)
+    stats = _wait_settled(workers, start)
+    # The abort itself: the decode engine counted it, stopped long before the request's
+    # budget, and steps no more.
+    decode = stats[next(w for w, a in workers.items() if a == decode_address)]
+    assert decode["aborted"] == before["aborted"] + 1
+    assert decode["steps"] - before["steps"] < LONG // 2
+    time.sleep(0.5)
+    assert _stats(decode_address)["steps"] == decode["steps"]
 
     # Nothing hangs: the stack still serves, and is idle again afterwards.
     r = httpx.post(

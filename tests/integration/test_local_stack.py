@@ -59,7 +59,8 @@ def expected_greedy(real_model, real_tokenizer, messages, max_tokens) -> tuple[s
     prompt = real_tokenizer.encode(real_tokenizer.apply_chat_template(messages))
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     outputs = list(engine.run_until_done())
-    return "".join(o.text for o in outputs), outputs[-1].num_output_tokens
+    ids = [t for o in outputs for t in o.new_token_ids]
+    return real_tokenizer.decode(ids, skip_special_tokens=True), outputs[-1].num_output_tokens
 
 
 def test_sdk_chat_greedy_equals_single_process(client, real_model, real_tokenizer):

@@ -54,13 +54,26 @@ def test_sampling_parameters_out_of_range_are_named(kwargs, param):
 
 
 def test_abort_mid_generation_frees_blocks(engine):
-    rid = engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
-    other = engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=5, ignore_eos=True))
+    """The abort itself, not the request finishing: `rid` could run for hundreds more steps
+    (ignore_eos, a budget up to the context window), so only the abort can stop it now."""
+    rid = engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=190, ignore_eos=True))
+    other = engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=8, ignore_eos=True))
     for _ in range(4):
         engine.step()
+    held = engine.blocks.num_blocks - engine.blocks.num_available_blocks
+    assert held >= 4 + 3  # both are live: rid's 57 + outputs, other's 35 + outputs
     engine.abort(rid)
+    # Gone at once: out of the engine and the scheduler, its blocks back before any step.
+    assert engine.num_aborted == 1
+    assert rid not in engine.sequences
+    assert all(s.request_id != rid for s in engine.scheduler.running + engine.scheduler.waiting)
+    other_blocks = len(engine.sequences[other].table.block_ids)
+    assert engine.blocks.num_blocks - engine.blocks.num_available_blocks == other_blocks
     outs = list(engine.run_until_done())
+    assert not any(o.request_id == rid for o in outs)  # no step computed it again
     assert any(o.request_id == other and o.finished for o in outs)
+    engine.abort(rid)  # a second abort of the same id is a no-op, not a second count
+    assert engine.num_aborted == 1
     engine.blocks.check_integrity()
     assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
 

@@ -119,11 +119,12 @@ class Harness:
         add_control_servicer(self.server, self.servicer)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
-        self.client = KvTransferControlClient(f"127.0.0.1:{port}")
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.client = KvTransferControlClient(self.channel)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.client.close()
+        await self.channel.close()
         await self.servicer.close()
         await self.server.stop(grace=None)
         self.prefill.close()

@@ -214,7 +214,6 @@ def test_greedy_stream_survives_a_decode_death(tiny_folder, real_tokenizer):
 
     baseline, chunks, fleet = asyncio.run(main())
     assert tokens(chunks) == tokens(baseline)
-    assert "".join(c.text for c in chunks) == "".join(c.text for c in baseline)
     last = chunks[-1]
     assert last.finished and last.finish_reason == "length"
     assert last.num_prompt_tokens == len(PROMPT)

@@ -1,6 +1,10 @@
 """Cancellation through the real gRPC path (in-process fleet, tiny model): a consumer that
 stops reading frees the request's blocks on every replica, whatever stage it was in, and
-the fault-injection knob delays a replica's first token."""
+the fault-injection knob delays a replica's first token.
+
+The requests ignore EOS and ask for far more tokens than the test reads, so they cannot end
+by themselves while the test watches: what is checked is the abort itself (counted by the
+engine, the request gone long before its budget, no replica stepping any more)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,10 @@ from tests.unit.test_migration_backend import (
     start_fleet,
     tiny_folder,  # noqa: F401 - the fixture
 )
+
+# Far more than any test here reads (the tiny model's context is 1,024): only an abort ends
+# such a request while the test watches.
+LONG = 900
 
 
 async def free_blocks(fleet: Fleet) -> dict[str, int]:
@@ -46,7 +54,7 @@ async def settled(fleet: Fleet, start: dict[str, int], timeout_s: float = 5.0) -
 
 async def consume_then_leave(fleet: Fleet, rid: str, n_chunks: int) -> int:
     got = 0
-    stream = fleet.loop.generate(request(rid, 200))
+    stream = fleet.loop.generate(request(rid, LONG, ignore_eos=True))
     async with contextlib.aclosing(stream):
         async for _chunk in stream:
             got += 1
@@ -62,7 +70,14 @@ def assert_settled(stats: dict, start: dict[str, int]) -> None:
         assert s["load"]["free_blocks"] == start[wid], (wid, s["load"], start[wid])
 
 
-def test_leaving_mid_decode_frees_blocks_everywhere(tiny_folder, real_tokenizer):  # noqa: F811
+async def steps_after_a_pause(fleet: Fleet, pause_s: float = 0.3) -> tuple[dict, dict]:
+    """Each replica's engine step count, read twice `pause_s` apart."""
+    before = {wid: (await r.stats())["steps"] for wid, r in fleet.replicas.items()}
+    await asyncio.sleep(pause_s)
+    return before, {wid: (await r.stats())["steps"] for wid, r in fleet.replicas.items()}
+
+
+def test_leaving_mid_decode_aborts_it_everywhere(tiny_folder, real_tokenizer):  # noqa: F811
     async def main():
         fleet = await start_fleet(
             fleet_config(tiny_folder, {"prefill": 1, "decode": 1}), real_tokenizer
@@ -70,13 +85,18 @@ def test_leaving_mid_decode_frees_blocks_everywhere(tiny_folder, real_tokenizer)
         try:
             start = await free_blocks(fleet)
             got = await consume_then_leave(fleet, "leaver", 3)
-            return got, start, await settled(fleet, start)
+            stats = await settled(fleet, start, timeout_s=2.0)
+            return got, start, stats, await steps_after_a_pause(fleet)
         finally:
             await fleet.close()
 
-    got, start, stats = asyncio.run(main())
+    got, start, stats, (steps, later) = asyncio.run(main())
     assert got == 3
     assert_settled(stats, start)
+    (decode,) = [s for s in stats.values() if s["role"] == "decode"]
+    assert decode["aborted"] == 1  # the engine stopped it: it did not run out of tokens
+    assert decode["steps"] < LONG // 2, decode["steps"]
+    assert steps == later  # nobody is stepping it any more
 
 
 def test_leaving_during_prefill_frees_blocks_everywhere(tiny_folder, real_tokenizer):  # noqa: F811
@@ -89,17 +109,22 @@ def test_leaving_during_prefill_frees_blocks_everywhere(tiny_folder, real_tokeni
         fleet = await start_fleet(config, real_tokenizer)
         try:
             start = await free_blocks(fleet)
-            task = asyncio.create_task(collect(fleet.loop, request("early", 50)))
+            req = request("early", LONG, ignore_eos=True)
+            task = asyncio.create_task(collect(fleet.loop, req))
             await asyncio.sleep(0.1)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            return start, await settled(fleet, start)
+            await asyncio.sleep(0.4)  # past the held-back first token: it would be out now
+            return start, await settled(fleet, start, timeout_s=2.0)
         finally:
             await fleet.close()
 
     start, stats = asyncio.run(main())
     assert_settled(stats, start)
+    # The cancelled Prefill call never reached an engine: no replica computed a step for it
+    # (left running, the prefill would have stepped and the decode replica ~900 times).
+    assert {wid: s["steps"] for wid, s in stats.items()} == dict.fromkeys(stats, 0)
 
 
 def test_abort_before_the_kv_arrives_refuses_it(tiny_folder, real_tokenizer):  # noqa: F811

@@ -42,7 +42,7 @@ def _prompt_ids(tokenizer, messages) -> list[int]:
 
 @pytest.fixture(scope="module")
 def expected(real_model, real_tokenizer):
-    """Greedy replies (text, token count) from a separate engine, in the order served below."""
+    """Greedy replies (text, token count, ids) from a separate engine, in the order served."""
     engine = Engine(EngineConfig(num_blocks=64, block_size=BLOCK), real_model, real_tokenizer)
     replies = []
     for messages in (FIRST, SECOND):
@@ -50,7 +50,9 @@ def expected(real_model, real_tokenizer):
             _prompt_ids(real_tokenizer, messages), SamplingParams(temperature=0.0, max_tokens=16)
         )
         outs = list(engine.run_until_done())
-        replies.append(("".join(o.text for o in outs), outs[-1].num_output_tokens))
+        ids = [t for o in outs for t in o.new_token_ids]
+        text = real_tokenizer.decode(ids, skip_special_tokens=True)  # <|im_end|> not shown
+        replies.append((text, outs[-1].num_output_tokens, ids))
     return replies
 
 
@@ -90,7 +92,7 @@ def test_chat_non_streaming_matches_engine(client, real_tokenizer, expected):
     body = raw.http_response.json()
     ChatCompletion.model_validate(body)  # the SDK's own schema, strictly
     reply = raw.parse()
-    text, num_tokens = expected[0]
+    text, num_tokens, _ = expected[0]
     assert reply.choices[0].message.content == text
     assert (
         "refusal" in body["choices"][0]["message"]
@@ -132,7 +134,7 @@ def test_chat_streaming_matches_engine(client, expected):
     chunks = list(stream)
     for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk.to_dict())
-    text, num_tokens = expected[1]
+    text, num_tokens, _ = expected[1]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert {c.id for c in chunks} == {chunks[0].id}
     content = [c.choices[0].delta.content or "" for c in chunks if c.choices]
@@ -175,12 +177,31 @@ def test_chat_logprobs(client):
         assert bytes(entry.bytes).decode() == entry.token
 
 
-def test_stop_string_and_seeded_sampling(client, expected):
+def test_stop_string_and_seeded_sampling(served, client, expected, real_tokenizer):
+    _, engine, _ = served
+    aborted = engine.num_aborted
     reply = client.chat.completions.create(
         model=MODEL, messages=FIRST, temperature=0, max_tokens=16, stop=[" Paris"]
     )
-    assert reply.choices[0].message.content == expected[0][0].split(" Paris")[0]
+    text, num_tokens, ids = expected[0]
+    assert " Paris" in text  # else this checks nothing
+    assert reply.choices[0].message.content == text.split(" Paris")[0]
     assert reply.choices[0].finish_reason == "stop"
+    # The coordinator matched the stop string and aborted the rest on the engine: the tokens
+    # counted are those up to the one that completed " Paris", and nothing runs on.
+    head = text[: text.index(" Paris") + len(" Paris")]
+    assert reply.usage.completion_tokens < num_tokens
+    reached = next(
+        n
+        for n in range(1, len(ids) + 1)
+        if head in real_tokenizer.decode(ids[:n], skip_special_tokens=True)
+    )
+    assert reply.usage.completion_tokens == reached
+    deadline = time.monotonic() + 5
+    while engine.has_work and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.num_aborted == aborted + 1 and not engine.sequences
+    engine.blocks.check_integrity()
     sampled = [
         client.completions.create(
             model=MODEL, prompt="My favourite animal is", max_tokens=4, temperature=1.0, seed=7
@@ -277,7 +298,7 @@ DISCONNECTED = (("endpoint", "chat"), ("model", MODEL), ("status", "499"), ("tie
 
 def test_client_disconnect_aborts_the_request(served, http):
     _, engine, backend = served
-    aborted_before = backend.num_aborted
+    aborted_before = engine.num_aborted
     closed_before = _metrics(http).get(("splitserve_requests_total", DISCONNECTED), 0)
     body = {
         "model": MODEL,
@@ -291,11 +312,11 @@ def test_client_disconnect_aborts_the_request(served, http):
             if line.startswith("data: ") and '"content":"' in line and '"role"' not in line:
                 break  # one token arrived; leaving the block drops the connection
     deadline = time.monotonic() + 10
-    while engine.has_work or backend.num_aborted == aborted_before:
+    while engine.has_work or engine.num_aborted == aborted_before:
         if time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    assert backend.num_aborted == aborted_before + 1
+    assert engine.num_aborted == aborted_before + 1
     assert not engine.has_work and not engine.sequences
     engine.blocks.check_integrity()
     assert _metrics(http)[("splitserve_requests_total", DISCONNECTED)] == closed_before + 1

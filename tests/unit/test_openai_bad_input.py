@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -33,7 +34,7 @@ CONTEXT = 256
 SETTINGS = APISettings(
     model_id=MODEL,
     max_body_bytes=32 * 1024,
-    max_tokens_limit=64,
+    max_tokens_limit=200,
     default_max_tokens=32,
     api_keys=(KEY,),
 )
@@ -66,14 +67,26 @@ class ScriptedBackend:
                     raise BackendError("decode replica d-1 went away")
 
 
+def count_steps(engine: Engine) -> Counter[str]:
+    """Engine steps per request id, counted on the engine thread as they happen."""
+    steps: Counter[str] = Counter()
+
+    def observe(batch, start_ns: int, end_ns: int) -> None:
+        steps.update(item.seq.request_id for item in batch.scheduled)
+
+    engine.step_observers.append(observe)
+    return steps
+
+
 @pytest.fixture(scope="module")
 def served(real_model, real_tokenizer):
     config = EngineConfig(num_blocks=64, block_size=16, max_model_len=CONTEXT)
     engine = Engine(config, real_model, real_tokenizer)
+    steps = count_steps(engine)
     inner = EngineBackend(engine, model_id=MODEL).start()
     backend = ScriptedBackend(inner)
     with ServerThread(create_app(backend, SETTINGS)) as server:
-        yield server, engine, backend
+        yield server, engine, backend, steps
     inner.close()
 
 
@@ -177,7 +190,7 @@ JSON_CASES = [
         "max_tokens",
         "context_length_exceeded",
     ),
-    ("max_tokens_over_limit", "chat", _chat(max_tokens=65), 400, "max_tokens", "invalid_value"),
+    ("max_tokens_over_limit", "chat", _chat(max_tokens=201), 400, "max_tokens", "invalid_value"),
     (
         "max_completion_tokens_over_limit",
         "chat",
@@ -349,9 +362,11 @@ def test_backend_failure_before_output_is_502(served, http):
 
 
 def test_backend_failure_mid_stream_is_an_sse_error_event(served, http):
-    _, engine, backend = served
+    _, engine, backend, steps_per_request = served
     backend.fail_next = "midstream"
-    body = _chat(max_tokens=16, ignore_eos=True, stream=True)
+    aborted, seen = engine.num_aborted, set(steps_per_request)
+    # It could run 200 tokens (ignore_eos): only the abort ends it within the test.
+    body = _chat(max_tokens=200, ignore_eos=True, stream=True)
     with http.stream("POST", PATHS["chat"], json=body) as response:
         assert response.status_code == 200  # the stream had begun
         events = [
@@ -363,11 +378,18 @@ def test_backend_failure_mid_stream_is_an_sse_error_event(served, http):
     assert "d-1 went away" in error["message"]
     first = json.loads(events[0])
     assert first["choices"][0]["delta"]["role"] == "assistant"
-    # The failed request's engine work was aborted, not left running.
-    deadline = time.monotonic() + 5
+    # The failed request's engine work was aborted, not left running: counted as an abort,
+    # gone from the engine at once, and no step computes it any more.
+    deadline = time.monotonic() + 1.0
     while engine.has_work and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not engine.has_work
+    assert engine.num_aborted == aborted + 1
+    (failed,) = set(steps_per_request) - seen
+    steps = steps_per_request[failed]
+    assert steps < 100, steps
+    time.sleep(0.3)
+    assert steps_per_request[failed] == steps
     engine.blocks.check_integrity()
     _assert_still_serving(http, engine)
 

@@ -21,11 +21,14 @@ SECRET = "Quetzalcoatlus"
 
 
 class ScriptedBackend:
-    """Says "Hello there" in two chunks; fails mid-stream when the prompt asks it to."""
+    """Says "Hello there" in two chunks, the second ending on the end-of-turn token (like a
+    real replica, token ids only: the coordinator makes the text); fails mid-stream when
+    the prompt asks it to."""
 
     def __init__(self, tokenizer):
         self.info = ModelInfo(id=MODEL, context_length=2048, tokenizer=tokenizer)
         self.hello, self.there = tokenizer.encode("Hello"), tokenizer.encode(" there")
+        self.end = min(tokenizer.stop_token_ids)
 
     def models(self):
         return [self.info]
@@ -39,12 +42,12 @@ class ScriptedBackend:
         if req.params.max_tokens == 13:
             raise BackendError("decode replica vanished")
         yield GenerationChunk(
-            self.there,
+            [*self.there, self.end],
             finished=True,
             finish_reason="stop",
             num_prompt_tokens=n,
             num_cached_tokens=16,
-            num_output_tokens=2,
+            num_output_tokens=3,
             replica="r0",
             metadata={"fallback_attempts": 1},
         )
@@ -93,7 +96,7 @@ def test_request_span_attributes_and_headers(served):
     assert a["gen_ai.request.model"] == MODEL
     assert a["gen_ai.request.max_tokens"] == 8
     assert a["gen_ai.usage.input_tokens"] == resp.json()["usage"]["prompt_tokens"]
-    assert a["gen_ai.usage.output_tokens"] == 2
+    assert a["gen_ai.usage.output_tokens"] == 3
     assert a["gen_ai.response.finish_reasons"] == ("stop",)
     assert a["splitserve.cached_tokens"] == 16
     assert a["splitserve.fallback_attempts"] == 1

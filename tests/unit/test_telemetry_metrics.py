@@ -81,6 +81,7 @@ def test_every_service_exposes_the_operator_metrics(registries):
         "splitserve_kv_cache_blocks_free",
         "splitserve_kv_cache_usage_perc",
         "splitserve_num_requests_running",
+        "splitserve_engine_aborted_requests_total",
         "splitserve_spec_decode_accepted_tokens_total",
         "splitserve_spec_decode_acceptance_length_bucket",
         "splitserve_kv_push_total",

@@ -1,0 +1,42 @@
+"""Token ids to text, in one place: every backend (and so every worker and the engine)
+streams token ids; the retry loop feeds each chunk through `add_text` with the request's one
+tracker, which sets its text delta and ends the reply at a stop string.
+
+A stop string ends the reply at the token that completed it: the chunk is cut there (token
+ids, logprobs, counters) and marked finished with reason "stop"; the loop then closes the
+backend's stream, which aborts the request on its replicas, so no step is spent on tokens
+nobody will see. A backend's own "stop" is a stop token: it ends the reply, and its text is
+not shown.
+"""
+
+from __future__ import annotations
+
+from services.coordinator.backend import GenerationChunk
+from shared.tokenizer.text_tracker import TextTracker
+
+
+def add_text(chunk: GenerationChunk, tracker: TextTracker) -> None:
+    """Sets `chunk.text`; cuts the chunk at the token that completes a stop string."""
+    ids = chunk.token_ids
+    stop_token = chunk.finished and chunk.finish_reason == "stop" and bool(ids)
+    shown = ids[:-1] if stop_token else ids
+    if tracker.matcher is None:
+        text = tracker.feed(shown)[0] if shown else ""
+    else:
+        text = ""
+        # One token at a time: a stop string completed inside a multi-token chunk (accepted
+        # speculative drafts) ends the reply exactly where plain decoding would.
+        for n, token in enumerate(shown, 1):
+            delta, hit = tracker.feed([token])
+            text += delta
+            if hit:
+                dropped = len(ids) - n
+                if dropped:
+                    chunk.token_ids = ids[:n]
+                    chunk.logprobs = chunk.logprobs[:n]
+                    chunk.num_output_tokens -= dropped
+                chunk.text, chunk.finished, chunk.finish_reason = text, True, "stop"
+                return
+    if chunk.finished:
+        text += tracker.finish()
+    chunk.text = text
