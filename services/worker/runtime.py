@@ -78,6 +78,7 @@ class WorkerRuntime:
             disk_cache_bytes=worker.disk_cache_bytes,
             max_num_batched_tokens=worker.max_num_batched_tokens,
             background_chunk_tokens=worker.background_chunk_tokens,
+            chunk_tokens_while_decoding=worker.chunk_tokens_while_decoding,
             max_num_seqs=worker.max_num_seqs,
             max_model_len=self.model_cfg.max_model_len,
             preemption_mode=worker.preemption_mode,

@@ -52,6 +52,11 @@ class WorkerConfig(_Strict):
     background_chunk_tokens: int | None = Field(
         64, ge=1, description="prompt tokens per step for flex/batch requests; None = no cap"
     )
+    chunk_tokens_while_decoding: int | None = Field(
+        128,
+        ge=1,
+        description="prompt tokens per step while replies stream (bounds ITL); None = no cap",
+    )
     max_num_seqs: int = Field(64, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads; default: cores / workers")
     preemption_mode: Literal["recompute", "swap"] = "recompute"
