@@ -94,7 +94,10 @@ def load(directory: Path | None = None) -> NativeBuild:
     source = b"".join(p.read_bytes() for p in SOURCES)
     directory = directory or cache_dir()
     errors: list[str] = []
-    for flags in _FLAG_SETS:
+    # SPLITSERVE_NATIVE_CFLAGS builds one given flag set instead (e.g. "-O3 -mavx2 -mfma
+    # -mf16c" runs the AVX2 path on an AVX-512 machine: how the other paths are tested here).
+    forced = os.environ.get("SPLITSERVE_NATIVE_CFLAGS")
+    for flags in [forced.split()] if forced else _FLAG_SETS:
         key = hashlib.sha256(
             b"\0".join(
                 [

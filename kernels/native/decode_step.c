@@ -472,6 +472,16 @@ static void prepare_input(const ss_linear *w, const float *x, int rows, float *x
     quantize_rows(x, rows, w->in_features, acts);
 }
 
+/* prepare_input for rows [r0, r1) of `rows` (each thread its own rows). */
+static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, int r1, float *xsum, ss_acts *acts) {
+  int in = w->in_features, nb = in / QK;
+  if (r1 <= r0) return;
+  if (w->kind == SS_Q4_1)
+    block_sums(x + (size_t)r0 * in, r1 - r0, in, xsum + (size_t)r0 * nb);
+  else if (w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8)
+    quantize_rows_part(x, rows, in, acts, r0 * nb, r1 * nb);
+}
+
 /* One thread's share of y = x W^T (outputs split evenly across threads). */
 static void linear_part(const ss_linear *w, const float *x, const float *xsum, const ss_acts *acts,
                         int rows, float *y, int tid, int nth) {
@@ -542,6 +552,44 @@ static inline float *kv_slot(const step_ctx *c, int layer, int which, int row, i
  * query heads over one range of positions, so K and V are read once per group and two
  * threads share even a single row's work. A row's split count depends only on its context
  * length and the thread count, never on its batch-mates. */
+#if SS_AVX512
+/* Sixteen 64-element sums (one per vector) into one vector of the sums, lane u = sum of v[u]:
+ * ~45 shuffles and adds for 16 dots, where reducing each dot alone cost ~10 apiece. */
+static inline __m512 reduce16(__m512 *v) {
+  __m512 r[8], s4[4], t2[2];
+  for (int i = 0; i < 8; i++)
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    s4[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; i++)
+    t2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t2[0], t2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t2[0], t2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* out[u] = scale * q . k[u * stride] for u < cnt (<= 16), head_dim 64. */
+static inline void scores16(const float *q, const float *k, int stride, int cnt, float scale, float *out) {
+  __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+         q3 = _mm512_loadu_ps(q + 48);
+  __m512 acc[16];
+  for (int u = 0; u < 16; u++) {
+    if (u < cnt) {
+      const float *ku = k + (size_t)u * stride;
+      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(ku));
+      a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(ku + 16), a);
+      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(ku + 32), a);
+      acc[u] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(ku + 48), a);
+    } else {
+      acc[u] = _mm512_setzero_ps();
+    }
+  }
+  __m512 sums = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(out, (__mmask16)((1u << cnt) - 1), sums);
+}
+#endif
+
 static inline int attn_splits(int ctx, int nth) {
   int splits = ctx / 64;
   if (splits > nth) splits = nth;
@@ -570,6 +618,16 @@ static void attention_part(step_ctx *c, int layer, int tid, int nth) {
     for (int t = t0; t < t1;) {
       int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
       const float *k = kv_slot(c, layer, 0, r, t, g);
+#if SS_AVX512
+      if (d == 64) { /* 16 positions' dots at a time, reduced together (see scores16) */
+        for (; t < stop; t += 16, k += 16 * slot_stride) {
+          int cnt = stop - t < 16 ? stop - t : 16;
+          for (int j = 0; j < group; j++) scores16(q + j * d, k, slot_stride, cnt, m->scale, scores + j * n + (t - t0));
+        }
+        t = stop;
+        continue;
+      }
+#endif
       for (; t < stop; t++, k += slot_stride)
         for (int j = 0; j < group; j++) scores[j * n + (t - t0)] = dot_f32(q + j * d, k, d) * m->scale;
     }
@@ -641,76 +699,72 @@ static void attention_merge(step_ctx *c, int tid, int nth) {
   }
 }
 
+/* The per-row work between matrices (norms, RoPE and the K/V write, SiLU, residual adds and
+ * the next matrix's input preparation) is split by rows: thread t owns rows [r0, r1) there,
+ * and a row's values never depend on which thread computed them. */
 static void step_job(void *arg, int tid, int nth) {
   step_ctx *c = (step_ctx *)arg;
   unsigned csr = flush_denormals();
   const ss_model *m = c->m;
   int rows = c->rows, hidden = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim;
   int inter = m->intermediate, qkv_width = (hq + 2 * hkv) * d;
-  int sense = 0;
+  int sense = 0, r0, r1;
+  split(rows, tid, nth, &r0, &r1);
+  int own = r1 - r0;
   ss_acts acts;
-  if (tid == 0)
-    for (int r = 0; r < rows; r++)
-      memcpy(c->x + (size_t)r * hidden, m->embed + (size_t)c->tokens[r] * hidden, sizeof(float) * hidden);
+  for (int r = r0; r < r1; r++)
+    memcpy(c->x + (size_t)r * hidden, m->embed + (size_t)c->tokens[r] * hidden, sizeof(float) * hidden);
   for (int l = 0; l < m->num_layers; l++) {
     const ss_layer *L = &m->layers[l];
-    if (tid == 0) {
-      rms_norm_rows(c->x, L->input_norm, m->eps, rows, hidden, c->h);
-      acts = acts_view(c->acts_mem, rows, hidden);
-      prepare_input(&L->qkv, c->h, rows, c->xsum, &acts);
+    acts = acts_view(c->acts_mem, rows, hidden);
+    if (own > 0) {
+      rms_norm_rows(c->x + (size_t)r0 * hidden, L->input_norm, m->eps, own, hidden, c->h + (size_t)r0 * hidden);
+      prepare_rows(&L->qkv, c->h, rows, r0, r1, c->xsum, &acts);
     }
     barrier_wait(&c->barrier, nth, &sense);
-    acts = acts_view(c->acts_mem, rows, hidden);
     linear_part(&L->qkv, c->h, c->xsum, &acts, rows, c->qkv, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0) /* RoPE on q and k, then the new K/V into their slots */
-      for (int r = 0; r < rows; r++) {
-        float *row = c->qkv + (size_t)r * qkv_width;
-        int pos = c->positions[r];
-        const float *cs = m->rope_cos + (size_t)pos * d, *sn = m->rope_sin + (size_t)pos * d;
-        for (int h = 0; h < hq + hkv; h++) rope(row + h * d, cs, sn, d);
-        for (int h = 0; h < hkv; h++) {
-          memcpy(kv_slot(c, l, 0, r, pos, h), row + (hq + h) * d, sizeof(float) * d);
-          memcpy(kv_slot(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, sizeof(float) * d);
-        }
+    for (int r = r0; r < r1; r++) { /* RoPE on q and k, then the new K/V into their slots */
+      float *row = c->qkv + (size_t)r * qkv_width;
+      int pos = c->positions[r];
+      const float *cs = m->rope_cos + (size_t)pos * d, *sn = m->rope_sin + (size_t)pos * d;
+      for (int h = 0; h < hq + hkv; h++) rope(row + h * d, cs, sn, d);
+      for (int h = 0; h < hkv; h++) {
+        memcpy(kv_slot(c, l, 0, r, pos, h), row + (hq + h) * d, sizeof(float) * d);
+        memcpy(kv_slot(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, sizeof(float) * d);
       }
+    }
     barrier_wait(&c->barrier, nth, &sense);
     attention_part(c, l, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
     attention_merge(c, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
     acts = acts_view(c->acts_mem, rows, hq * d);
-    if (tid == 0) prepare_input(&L->o_proj, c->attn, rows, c->xsum, &acts);
+    prepare_rows(&L->o_proj, c->attn, rows, r0, r1, c->xsum, &acts);
     barrier_wait(&c->barrier, nth, &sense);
     linear_part(&L->o_proj, c->attn, c->xsum, &acts, rows, c->tmp, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0) {
-      for (size_t i = 0; i < (size_t)rows * hidden; i++) c->x[i] += c->tmp[i];
-      rms_norm_rows(c->x, L->post_norm, m->eps, rows, hidden, c->h);
-      acts = acts_view(c->acts_mem, rows, hidden);
-      prepare_input(&L->gate_up, c->h, rows, c->xsum, &acts);
+    acts = acts_view(c->acts_mem, rows, hidden);
+    if (own > 0) {
+      for (size_t i = (size_t)r0 * hidden; i < (size_t)r1 * hidden; i++) c->x[i] += c->tmp[i];
+      rms_norm_rows(c->x + (size_t)r0 * hidden, L->post_norm, m->eps, own, hidden, c->h + (size_t)r0 * hidden);
+      prepare_rows(&L->gate_up, c->h, rows, r0, r1, c->xsum, &acts);
     }
     barrier_wait(&c->barrier, nth, &sense);
-    acts = acts_view(c->acts_mem, rows, hidden);
     linear_part(&L->gate_up, c->h, c->xsum, &acts, rows, c->gu, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0) {
-      for (int r = 0; r < rows; r++) {
-        const float *g = c->gu + (size_t)r * 2 * inter, *u = g + inter;
-        float *a = c->act + (size_t)r * inter;
-        silu_mul(g, u, a, inter);
-      }
-      acts = acts_view(c->acts_mem, rows, inter);
-      prepare_input(&L->down, c->act, rows, c->xsum, &acts);
-    }
-    barrier_wait(&c->barrier, nth, &sense);
     acts = acts_view(c->acts_mem, rows, inter);
+    for (int r = r0; r < r1; r++) {
+      const float *g = c->gu + (size_t)r * 2 * inter, *u = g + inter;
+      silu_mul(g, u, c->act + (size_t)r * inter, inter);
+    }
+    prepare_rows(&L->down, c->act, rows, r0, r1, c->xsum, &acts);
+    barrier_wait(&c->barrier, nth, &sense);
     linear_part(&L->down, c->act, c->xsum, &acts, rows, c->tmp, tid, nth);
     barrier_wait(&c->barrier, nth, &sense);
-    if (tid == 0)
-      for (size_t i = 0; i < (size_t)rows * hidden; i++) c->x[i] += c->tmp[i];
+    for (size_t i = (size_t)r0 * hidden; i < (size_t)r1 * hidden; i++) c->x[i] += c->tmp[i];
   }
-  if (tid == 0) rms_norm_rows(c->x, m->final_norm, m->eps, rows, hidden, c->out);
+  if (own > 0) rms_norm_rows(c->x + (size_t)r0 * hidden, m->final_norm, m->eps, own, hidden, c->out + (size_t)r0 * hidden);
   restore_csr(csr);
 }
 

@@ -71,6 +71,32 @@ static void quantize_block(const float *xb, int8_t *q, uint8_t *qu, float *d_out
   _mm_storeu_si128((__m128i *)(qu + 16), _mm_xor_si128(b1, flip));
   *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   *d_out = d;
+#elif SS_AVX2
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                            _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float d = _mm_cvtss_f32(m4) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  __m256 vid = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i qi[4];
+  for (int i = 0; i < 4; i++)
+    qi[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid)), lo), hi);
+  /* Packing interleaves 128-bit lanes; the permute puts the 32 bytes back in order. */
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i *)q, bytes);
+  _mm256_storeu_si256((__m256i *)qu, _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)));
+  __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  *sum_out = _mm_cvtsi128_si32(s4);
+  *d_out = d;
 #else
   float amax = 0.f;
   for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
@@ -124,22 +150,30 @@ static inline int idot_q8(const int8_t *w, const int8_t *q) {
 #else
 #define SS_VNNI512 0
 #endif
+/* Rows that share one decoding of a weight block: 8 keeps a batch-8 step to one pass over the
+ * weights and fits AVX-512's 32 registers; AVX2's 16 hold 4. */
+#if SS_VNNI512
+#define A8_ROWS 8
+#else
+#define A8_ROWS 4
+#endif
 
 static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
   int groups = nb / 4, pair = (nb % 4) >= 2, single = nb % 2;
   const uint8_t *quants = (const uint8_t *)w->data;
-  for (int r0 = 0; r0 < rows; r0 += 4) {
-    int nr = rows - r0 < 4 ? rows - r0 : 4;
+  for (int r0 = 0; r0 < rows; r0 += A8_ROWS) {
+    int nr = rows - r0 < A8_ROWS ? rows - r0 : A8_ROWS;
     for (int o = o0; o < o1; o++) {
       const uint8_t *qs = quants + (size_t)o * nb * Q4_1_QBYTES;
       const float *ds = w->scales + (size_t)o * nb, *ms = w->mins + (size_t)o * nb;
-      float tail[4] = {0.f, 0.f, 0.f, 0.f};
+      float tail[A8_ROWS] = {0.f};
 #if SS_VNNI512
       const __m512i low = _mm512_set1_epi8(0x0f);
       const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       const __m512i idx_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      __m512 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm512_setzero_ps();
       for (int g = 0; g < groups; g++) {
         __m512i raw = _mm512_loadu_si512((const void *)(qs + (size_t)g * 64));
         __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -169,11 +203,12 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dlo, _mm512_loadu_ps(dx)), acc[r]);
         }
       }
-      float sums[4];
+      float sums[A8_ROWS];
       for (int r = 0; r < nr; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
 #elif SS_AVX2
       const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm256_setzero_ps();
       /* One block's 32 weights (w, in order) against each row's 32 quantized inputs. */
 #define SS_Q4_BLOCK(wv, b)                                                                          \
   do {                                                                                              \
@@ -200,10 +235,10 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
         SS_Q4_BLOCK(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), b + 1);
       }
 #undef SS_Q4_BLOCK
-      float sums[4];
+      float sums[A8_ROWS];
       for (int r = 0; r < nr; r++) sums[r] = hsum8(acc[r]);
 #else
-      float sums[4] = {0.f, 0.f, 0.f, 0.f};
+      float sums[A8_ROWS] = {0.f};
       for (int r = 0; r < nr; r++) {
         const int8_t *q = a->q + (size_t)(r0 + r) * in;
         const float *d = a->d + (size_t)(r0 + r) * nb;
@@ -249,8 +284,8 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
 static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
   const int8_t *quants = (const int8_t *)w->data;
-  for (int r0 = 0; r0 < rows; r0 += 4) {
-    int nr = rows - r0 < 4 ? rows - r0 : 4;
+  for (int r0 = 0; r0 < rows; r0 += A8_ROWS) {
+    int nr = rows - r0 < A8_ROWS ? rows - r0 : A8_ROWS;
     for (int o = o0; o < o1; o++) {
       const int8_t *qs = quants + (size_t)o * nb * Q8_0_QBYTES;
       const float *ds = w->scales + (size_t)o * nb;
@@ -258,7 +293,8 @@ static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float
       /* (x_q + 128) . w, then the per-block -128 * d * sum(w) correction (in `mins`). */
       const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       const float *cs = w->mins + (size_t)o * nb;
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      __m512 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm512_setzero_ps();
       int b = 0;
       for (; b + 2 <= nb; b += 2) {
         __m512i wv = _mm512_loadu_si512((const void *)(qs + (size_t)b * QK));
@@ -279,7 +315,8 @@ static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float
       }
 #elif SS_AVX2
       const __m256i ones = _mm256_set1_epi16(1);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm256_setzero_ps();
       for (int b = 0; b < nb; b++) {
         __m256i wv = _mm256_loadu_si256((const __m256i *)(qs + (size_t)b * QK));
         __m256i wabs = _mm256_sign_epi8(wv, wv);

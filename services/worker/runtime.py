@@ -78,6 +78,7 @@ class WorkerRuntime:
             disk_cache_bytes=worker.disk_cache_bytes,
             max_num_batched_tokens=worker.max_num_batched_tokens,
             background_chunk_tokens=worker.background_chunk_tokens,
+            chunk_tokens_while_decoding=worker.chunk_tokens_while_decoding,
             max_num_seqs=worker.max_num_seqs,
             max_model_len=self.model_cfg.max_model_len,
             preemption_mode=worker.preemption_mode,
@@ -91,7 +92,9 @@ class WorkerRuntime:
         self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
         # A cheaper build serves only if it passed the quality gate against fp32; `auto`
         # measures the eligible formats on this machine and serves the fastest per path.
-        model, _ = load_serving_model(self.model_cfg.path, self.model_cfg.weights, threads=threads)
+        model, self.format_choice = load_serving_model(
+            self.model_cfg.path, self.model_cfg.weights, threads=threads
+        )
         memory = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in model.memory_bytes().items())
         log.info(
             "%s weights: prefill %s, decode %s; memory: %s; KV %d MiB; host tier %d MiB "
@@ -119,6 +122,7 @@ class WorkerRuntime:
             pool=pool,
             kv_salt=self.tokenizer_fingerprint.encode() or None,
         )
+        self.engine.format_choice = self.format_choice  # shown in Stats and /metrics
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
         self.async_engine = AsyncEngine(self.engine)

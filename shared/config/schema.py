@@ -56,6 +56,11 @@ class WorkerConfig(_Strict):
         ge=1,
         description="prompt tokens per step for flex/batch requests; None = no cap",
     )
+    chunk_tokens_while_decoding: int | None = Field(
+        defaults.CHUNK_TOKENS_WHILE_DECODING,
+        ge=1,
+        description="prompt tokens per step while replies stream (bounds ITL); None = no cap",
+    )
     max_num_seqs: int = Field(defaults.MAX_NUM_SEQS, ge=1)
     threads: int | None = Field(None, ge=1, description="torch threads; default: cores / workers")
     preemption_mode: PreemptionMode = defaults.PREEMPTION_MODE

@@ -31,6 +31,9 @@ class EngineConfig:
     # Prompt chunks of background service tiers (priority >= BACKGROUND_PRIORITY) are cut to
     # this many tokens a step. None = no cap.
     background_chunk_tokens: int | None = defaults.BACKGROUND_CHUNK_TOKENS
+    # While a step carries decode rows, its prompt chunks total at most this many tokens
+    # (why 128: engine_defaults). Chunking never changes the output. None = no cap.
+    chunk_tokens_while_decoding: int | None = defaults.CHUNK_TOKENS_WHILE_DECODING
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_model_len: int | None = None  # defaults to the model's context length
     preemption_mode: PreemptionMode = defaults.PREEMPTION_MODE
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.background_chunk_tokens is not None and self.background_chunk_tokens < 1:
             raise ValueError("background_chunk_tokens must be >= 1 (or None for no cap)")
+        if self.chunk_tokens_while_decoding is not None and self.chunk_tokens_while_decoding < 1:
+            raise ValueError("chunk_tokens_while_decoding must be >= 1 (or None for no cap)")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -53,8 +53,9 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.format_choice = None
         if model is None:
-            model, _ = load_serving_model(
+            model, self.format_choice = load_serving_model(
                 config.model, config.weights, config.device, config.num_threads
             )
         self.model = model
@@ -218,6 +219,19 @@ class Engine:
         self.sequences[request_id] = seq
         self.scheduler.admit_running(seq)
         return request_id
+
+    def weights_report(self) -> dict:
+        """What this engine computes with and what it holds: each path's format, the
+        measured choice behind `auto` (if any), and the bytes of weights and KV pool."""
+        model = self.model
+        report: dict = {
+            "prefill": model.weights,
+            "decode": model.decode_weights,
+            "memory_bytes": model.memory_bytes() | {"kv_pool": self.pool.tensor.nbytes},
+        }
+        if self.format_choice is not None:
+            report["choice"] = self.format_choice.to_json() | {"cached": self.format_choice.cached}
+        return report
 
     def load(self) -> WorkerLoad:
         """What the router weighs: queued prefill work and live KV."""

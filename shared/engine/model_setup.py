@@ -11,6 +11,7 @@ import logging
 import os
 
 from shared.model.formats import FormatChoice, choose
+from shared.model.heap import release_freed_memory
 from shared.model.llama import NATIVE_FORMATS, LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.modelfile.default import default_model_path
@@ -30,7 +31,10 @@ def load_serving_model(
     checkpoint = read_checkpoint(model_path)
     if weights != "auto":
         require_gate(weights, model=path)
-        return LlamaModel(checkpoint, weights=weights, device=device), None  # type: ignore[arg-type]
+        model = LlamaModel(checkpoint, weights=weights, device=device)  # type: ignore[arg-type]
+        del checkpoint  # its fp32 tensors are garbage now that the model holds its formats
+        release_freed_memory()
+        return model, None
     eligible, refused = eligible_formats(path)
     if device != "cpu":
         eligible = [w for w in eligible if w not in NATIVE_FORMATS]
@@ -41,4 +45,6 @@ def load_serving_model(
     model = LlamaModel(
         checkpoint, weights=choice.prefill, decode_weights=choice.decode, device=device
     )
+    del checkpoint
+    release_freed_memory()
     return model, choice

@@ -95,6 +95,11 @@ class Scheduler:
         can_admit = len(self.running) < self.config.max_num_seqs
         candidates = [*self.running, *(self.waiting if can_admit else ())]
         urgent = min((s.priority for s in candidates if s.num_pending_tokens > 1), default=None)
+        # Prompt tokens this step may still take (chunk_tokens_while_decoding).
+        prompt_left = budget
+        cap = self.config.chunk_tokens_while_decoding
+        if cap is not None and any(s.num_pending_tokens == 1 for s in self.running):
+            prompt_left = min(budget, cap)
         while queue and budget > 0:
             seq = queue.pop(0)
             drafted = self._fit_draft(seq, budget)
@@ -103,11 +108,17 @@ class Scheduler:
                 budget -= 1 + drafted
                 continue
             n = min(seq.num_pending_tokens, budget, self._chunk_cap(seq))
+            prompt = seq.num_pending_tokens > 1
+            if prompt:
+                n = min(n, prompt_left)
+                if n < 1:
+                    continue
             if n > 1 and urgent is not None and seq.priority > urgent:
                 continue
             if self._grow(seq, n, queue, out):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+                prompt_left -= n if prompt else 0
         if out.preempted:
             return out  # under memory pressure, admit nobody new this step
         for seq in sorted(self.waiting, key=Sequence.sort_key):
@@ -115,14 +126,19 @@ class Scheduler:
                 break
             if seq.num_pending_tokens > 1 and urgent is not None and seq.priority > urgent:
                 break  # waits for the more urgent tier's prompts (see above)
+            if seq.num_pending_tokens > 1 and prompt_left < 1:
+                break  # this step's prompt tokens are spent (chunk_tokens_while_decoding)
             if not self._admit(seq, out):
                 break  # strict priority order: nobody overtakes a blocked sequence
             n = min(seq.num_pending_tokens, budget, self._chunk_cap(seq))
+            if seq.num_pending_tokens > 1:
+                n = min(n, prompt_left)
             target = max(seq.table.num_tokens, seq.num_computed_tokens + n)
             if not self.blocks.append_slots(seq.table, target):
                 break  # admitted (its KV is back) but no room to grow yet: next step's _grow
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            prompt_left -= n if seq.num_pending_tokens > 1 else 0
         return out
 
     # -- internals -----------------------------------------------------------------------

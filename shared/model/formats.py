@@ -35,11 +35,14 @@ log = logging.getLogger(__name__)
 
 # What a replica config may ask for: one format for both paths, or `auto` (measured).
 SERVING_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "native-a8", "auto")
-CHOOSER_VERSION = 1  # bump when what is measured changes, so old cached choices are redone
+CHOOSER_VERSION = 2  # bump when what is measured changes, so old cached choices are redone
 PREFILL_CHUNK = 128
 DECODE_CONTEXT = 256
 DECODE_BATCHES = (1, 8)
 SLICE_LAYERS = 2
+# The prompt path takes the decode path's native build when that is at most this much slower
+# than the fastest prompt format: a second copy of the weights is not worth a few percent.
+ONE_COPY_MARGIN = 1.10
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,15 @@ def pick(timings: dict[str, dict[str, float]]) -> tuple[ModelFormat, ModelFormat
     decode = min(
         names, key=lambda f: sum(timings[f][f"decode_b{b}_ms"] / b for b in DECODE_BATCHES)
     )
+    if (
+        decode in NATIVE_FORMATS
+        and prefill != decode
+        and timings[decode]["prefill_ms_per_token"]
+        <= ONE_COPY_MARGIN * timings[prefill]["prefill_ms_per_token"]
+    ):
+        # Nearly as fast for prompts: one copy of the weights serves both paths (the other
+        # copy is most of a worker's memory, which sets how many replicas a machine holds).
+        prefill = decode
     if prefill in NATIVE_FORMATS and decode in NATIVE_FORMATS and prefill != decode:
         # A model holds one native build: the prompt path takes the fastest of the others.
         prefill = min(

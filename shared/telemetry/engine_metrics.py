@@ -195,3 +195,36 @@ class EngineStateCollector(Collector):
         )
         aborted.add_metric(values, self.engine.num_aborted)
         yield aborted
+        yield from self._weights(names, values)
+
+    def _weights(self, names: list[str], values: list[str]) -> Iterator[GaugeMetricFamily]:
+        """The formats each path computes in (and the timings `auto` chose them by), and the
+        memory the weights and the KV pool hold."""
+        report = self.engine.weights_report()
+        info = GaugeMetricFamily(
+            "splitserve_weights_info",
+            "Weight format of each path (prefill, decode); the value is always 1",
+            labels=[*names, "path", "format"],
+        )
+        for path in ("prefill", "decode"):
+            info.add_metric([*values, path, report[path]], 1)
+        yield info
+        memory = GaugeMetricFamily(
+            "splitserve_model_memory_bytes",
+            "Bytes held by each weight representation and by the KV pool",
+            labels=[*names, "part"],
+        )
+        for part, nbytes in report["memory_bytes"].items():
+            memory.add_metric([*values, part], nbytes)
+        yield memory
+        choice = report.get("choice")
+        if choice:
+            timing = GaugeMetricFamily(
+                "splitserve_weight_format_measured_ms",
+                "What `weights: auto` measured per eligible format on this machine",
+                labels=[*names, "format", "measure"],
+            )
+            for fmt, figures in choice["timings"].items():
+                for measure, ms in figures.items():
+                    timing.add_metric([*values, fmt, measure], ms)
+            yield timing

@@ -198,6 +198,29 @@ def test_int8_activation_matrix_equals_its_quantized_product(native_lib, kind, i
         assert torch.equal(matrix(x[r : r + 1])[0], got[r])
 
 
+@pytest.mark.parametrize("flags", ["-O3 -mavx2 -mfma -mf16c", "-O3"], ids=["avx2", "scalar"])
+def test_the_other_simd_paths_compute_the_same_products(flags, monkeypatch, tmp_path):
+    """The AVX2 and plain-C paths (what an AVX2-only or non-x86 machine runs), built here."""
+    from kernels.native.build import load
+
+    monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", flags)
+    build = load(tmp_path)
+    assert build.available, build.reason
+    holder = _Holder(build.library, 2)
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(7))
+    for code, make, dense_of, quantized in (
+        (abi.Q4_1, _q4_1_blocks, _q4_1_dense, False),
+        (abi.Q8_0, _q8_0_blocks, _q8_0_dense, False),
+        (abi.Q4_1_A8, _q4_1_blocks, _q4_1_dense, True),
+        (abi.Q8_0_A8, _q8_0_blocks, _q8_0_dense, True),
+    ):
+        blocks = make(37, 160, seed=code)
+        got = NativeMatrix(holder, _linear(code, blocks))(x).double()  # type: ignore[arg-type]
+        inputs = _quantized_activations(x.double()) if quantized else x.double()
+        want = inputs @ dense_of(blocks).double().T
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), code
+
+
 def test_a_matrix_with_ragged_blocks_is_refused(native_lib):
     quants = np.zeros((4, 1, 16), dtype=np.uint8)
     scales = np.zeros((4, 1), dtype=np.float32)

@@ -114,6 +114,28 @@ def test_step_metrics(setup):
     assert _value(f, "splitserve_kv_cache_blocks_total") == 32
     assert _value(f, "splitserve_num_requests_running") == 0
     assert "splitserve_spec_decode_acceptance_length" in f  # registered, fed later
+    # What the engine computes with and holds (the choice behind `auto`, when there is one).
+    assert (
+        _value(f, "splitserve_weights_info", path="decode", format=engine.model.decode_weights) == 1
+    )
+    held = {s.labels["part"]: s.value for s in f["splitserve_model_memory_bytes"].samples}
+    assert held["kv_pool"] == engine.pool.tensor.nbytes
+    assert held["embedding+norms"] == engine.model.embed_tokens.numel() * 4
+
+
+def test_the_measured_format_choice_is_in_the_metrics_and_the_report(setup):
+    from shared.model.formats import FormatChoice
+
+    engine, registry, *_ = setup
+    timings = {"fp32": {"prefill_ms_per_token": 0.5, "decode_b1_ms": 9.0, "decode_b8_ms": 30.0}}
+    engine.format_choice = FormatChoice("fp32", "fp32", timings, cached=True)
+    report = engine.weights_report()
+    assert report["choice"]["timings"] == timings and report["choice"]["cached"] is True
+    f = _families(registry)
+    assert (
+        _value(f, "splitserve_weight_format_measured_ms", format="fp32", measure="decode_b1_ms")
+        == 9.0
+    )
 
 
 def _spans(exporter, tracing) -> dict[str, list]:

@@ -45,6 +45,13 @@ def test_one_native_build_per_model_even_when_each_path_prefers_another():
     assert pick(timings) == ("bf16", "native-a8")
 
 
+def test_a_native_decode_build_nearly_as_fast_for_prompts_serves_both_paths():
+    timings = {"bf16": _t(1.20, 40.0, 60.0), "native-a8": _t(1.26, 6.0, 20.0)}
+    assert pick(timings) == ("native-a8", "native-a8")  # 5% slower: one copy of the weights
+    timings["native-a8"] = _t(1.40, 6.0, 20.0)  # 17% slower: the prompt path keeps bf16
+    assert pick(timings) == ("bf16", "native-a8")
+
+
 def test_formats_without_a_passing_report_are_not_eligible(gguf_path, tmp_path):
     eligible, refused = eligible_formats(gguf_path, cache_dir=tmp_path)
     assert eligible == ["fp32", "native"]
