@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import signal
+import sys
 from dataclasses import asdict
 
 import grpc
@@ -25,6 +26,7 @@ from shared.quality.require import QualityGateError
 from shared.telemetry.worker_telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
+GIL_SWITCH_S = 0.0005
 
 # In-flight streams get this long to finish on SIGTERM (the chart's termination grace is longer).
 DRAIN_GRACE_S = 30.0
@@ -157,6 +159,9 @@ def run_worker(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role}[{index}] %(levelname)s %(message)s"
     )
+    # The engine thread runs Python between its native calls; with the default 5 ms GIL
+    # switch interval the event loop (which streams each token) could wait that long for it.
+    sys.setswitchinterval(GIL_SWITCH_S)
     try:
         asyncio.run(serve_worker(config, model_id, role, index, port))
     except RegistrationRefused as exc:
