@@ -193,15 +193,18 @@ def _save(fig: Figure, path: Path) -> None:
 def _cdf(series: dict[str, list[float]], title: str, xlabel: str) -> Figure:
     fig, ax = _figure()
     for label, values in sorted(series.items()):
+        if not values:
+            continue
         xs = sorted(values)
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         xs, ys = [xs[0], *xs], [0.0, *ys]  # rise from zero at the smallest sample
-        ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
+        ax.step(xs, ys, where="post", label=f"{label} (n={len(values)})")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction of samples")
     ax.set_ylim(0, 1.02)
-    if max(max(v) for v in series.values()) > 20 * max(min(v) for v in series.values()):
+    filled = [v for v in series.values() if v]
+    if filled and max(max(v) for v in filled) > 20 * max(min(v) for v in filled):
         ax.set_xscale("log")  # a long tail would squash the body of the distribution
     ax.legend()
     return fig

@@ -109,3 +109,10 @@ def test_every_bench_command_takes_plot():
     assert {"engine", "disagg", "transfer", "kernels", "overhead", "tune"} <= set(kinds.choices)
     for name, sub in kinds.choices.items():
         assert any("--plot" in a.option_strings for a in sub._actions), name
+
+
+def test_a_cdf_legend_counts_the_samples_and_skips_empty_series():
+    from services.bench.plots import _cdf
+
+    fig = _cdf({"ours": [1.0, 2.0, 3.0], "peer": []}, "TTFT", "ms")
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["ours (n=3)"]
