@@ -61,7 +61,7 @@ def test_formats_without_a_passing_report_are_not_eligible(gguf_path, tmp_path):
 
 def test_shipped_reports_make_their_formats_eligible(gguf_path):
     eligible, _ = eligible_formats(gguf_path)
-    assert {"fp32", "native", "bf16", "int8"} <= set(eligible)
+    assert {"fp32", "native", "bf16", "int8", "int4", "native-a8"} <= set(eligible)
 
 
 def test_a_choice_is_measured_once_per_machine_then_cached(tmp_path, monkeypatch):
