@@ -35,8 +35,15 @@ def _engine(model: LlamaModel, **overrides) -> Engine:
 
 def decode_rate(model: LlamaModel, batch: int, steps: int) -> float:
     """Steady-state tokens/s with `batch` sequences decoding at ~CONTEXT tokens of context."""
-    engine = _engine(model)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    # Every prompt is in before the first decode (no chunk cap while decoding): otherwise the
+    # early sequences finish while the late ones still prefill, and fewer than `batch` decode.
+    engine = _engine(model, chunk_tokens_while_decoding=None)
+    # The first sequences decode while the later prompts are prefilled (a step's budget holds
+    # about one prompt): their budget covers those steps too, so all `batch` decode throughout.
+    prefill_steps = batch * -(-CONTEXT // engine.config.max_num_batched_tokens)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=steps + 16 + 2 * prefill_steps, ignore_eos=True
+    )
     vocab = model.config.vocab_size
     for i in range(batch):
         engine.add_request(_prompt(CONTEXT, 1000 + i, vocab), params)
@@ -48,7 +55,11 @@ def decode_rate(model: LlamaModel, batch: int, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return batch * steps / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    decoding = sum(1 for s in seqs if not s.is_finished)
+    if decoding != batch:
+        raise RuntimeError(f"only {decoding} of {batch} sequences decoded to the end of the run")
+    return batch * steps / elapsed
 
 
 def time_to_first_token(engine: Engine, prompt: list[int]) -> float:
