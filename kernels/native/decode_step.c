@@ -463,16 +463,8 @@ static void block_sums(const float *x, int rows, int in, float *xsum) {
     }
 }
 
-/* What a matrix needs of its input beyond x, computed once per call (serially, before the
- * threads split the outputs): Q4_1's per-block sums, or the int8 rows of an _A8 kind. */
-static void prepare_input(const ss_linear *w, const float *x, int rows, float *xsum, ss_acts *acts) {
-  if (w->kind == SS_Q4_1)
-    block_sums(x, rows, w->in_features, xsum);
-  else if (w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8)
-    quantize_rows(x, rows, w->in_features, acts);
-}
-
-/* prepare_input for rows [r0, r1) of `rows` (each thread its own rows). */
+/* What a matrix needs of its input beyond x, for rows [r0, r1) of `rows` (each thread its own
+ * rows, before the threads split the outputs): Q4_1's per-block sums, or an _A8 kind's int8 rows. */
 static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, int r1, float *xsum, ss_acts *acts) {
   int in = w->in_features, nb = in / QK;
   if (r1 <= r0) return;
@@ -870,7 +862,7 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
   if (!mem) return -2;
   ss_acts acts = acts_view(mem, rows, w->in_features);
   float *xsum = (float *)((char *)mem + acts_bytes(rows, w->in_features));
-  prepare_input(w, x, rows, xsum, &acts);
+  prepare_rows(w, x, rows, 0, rows, xsum, &acts);
   head_ctx c = {.w = w, .x = x, .xsum = xsum, .acts = &acts, .rows = rows, .y = y};
   pool_run(head_job, &c, nth);
   free(mem);

@@ -128,10 +128,6 @@ static void quantize_rows_part(const float *x, int rows, int in, ss_acts *a, int
   }
 }
 
-static void quantize_rows(const float *x, int rows, int in, ss_acts *a) {
-  quantize_rows_part(x, rows, in, a, 0, rows * (in / QK));
-}
-
 /* The integer dot of one Q4_1_A8 block that sits alone at the end (file layout). */
 static inline int idot_q4_single(const uint8_t *w, const int8_t *q) {
   int t = 0;
