@@ -7,27 +7,19 @@ SSE streaming, usage, errors); `/health` (liveness), `/ready` (the backend can s
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.coordinator.backend import GenerationBackend, ModelInfo
-from services.coordinator.errors import (
-    INVALID_REQUEST,
-    SERVER_ERROR,
-    APIError,
-    error_body,
-)
+from services.coordinator.errors import INVALID_REQUEST, APIError, error_body
 from services.coordinator.failures import error_response
 from services.coordinator.handlers import GenerationHandler
+from services.coordinator.last_resort import LastResortErrors
 from services.coordinator.metrics import APIMetrics
 from services.coordinator.settings import APISettings
 from shared.telemetry.tracing import Tracing
-
-log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -43,6 +35,7 @@ def create_app(
     handler = GenerationHandler(backend, settings, metrics, tracing)
     keyring = settings.keyring
     app = FastAPI(title="splitserve coordinator", docs_url=None, redoc_url=None)
+    app.add_middleware(LastResortErrors)  # inside Starlette's own, which would drop the connection
     app.state.backend = backend
     app.state.settings = settings
     app.state.metrics = metrics
@@ -61,12 +54,6 @@ def create_app(
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        body = error_body("The server had an internal error.", SERVER_ERROR, None, "internal_error")
-        return JSONResponse(body, status_code=500)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -44,6 +44,7 @@ from services.coordinator.retry import RetryLoop
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
 from services.coordinator.targets import resolve_targets
+from services.coordinator.unsupported import refuse_unsupported
 from shared.telemetry.http_span import RequestTrace
 from shared.telemetry.tracing import Tracing
 
@@ -123,6 +124,7 @@ class GenerationHandler:
         try:
             key = self.keyring.authenticate(request)
             data = await read_json_object(request, self.settings.max_body_bytes)
+            refuse_unsupported(data, endpoint)
             try:
                 body = spec.schema.model_validate(data)
             except ValidationError as exc:
