@@ -29,7 +29,7 @@ class Script:
     token_delay_s: float = 0.0
     cached_tokens: int = 0
     replica: str = "scripted-0"
-    # The reply as text (its tokens, one a chunk, ending "stop"), instead of "t0 t1 ...".
+    # The reply as text (its tokens one a chunk, then end of turn: "stop"), not "t0 t1 ...".
     text: str | None = None
 
 
@@ -66,8 +66,9 @@ class ScriptedTestBackend:
             if script.fail is not None:
                 call.finished = True
                 raise script.fail
-            if script.text is not None:
+            if script.text is not None:  # then the end-of-turn token, as a model stops
                 pieces = [[t] for t in self.tokenizer.encode(script.text)]
+                pieces.append([self.tokenizer.eos_token_id])
                 end = "stop" if len(pieces) <= req.params.max_tokens else "length"
             else:
                 pieces = [self.tokenizer.encode(f"t{i} ") for i in range(script.num_tokens)]

@@ -2,13 +2,19 @@
 
 Refusals (fields asking for what this build lacks, tool definitions and tool history that do
 not add up) are checked against a scripted backend: they never reach it. `null` for a field
-with a default means that default, as OpenAI's schema marks those fields nullable.
+with a default means that default, as OpenAI's schema marks those fields nullable. And an
+error nothing else handled is OpenAI's 500, on a connection that stays usable.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+
 import pytest
 
+from services.coordinator.app import create_app
+from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
 from tests.unit.coordinator_client import run_with_client
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
@@ -330,3 +336,33 @@ def test_accepted(backend, endpoint, body):
     choices = response.json()["choices"]
     assert len(choices) == (body.get("n") or 1)
     assert all(c["finish_reason"] == "length" for c in choices)
+
+
+def test_an_unhandled_error_is_a_500_on_a_connection_that_stays_open(backend):
+    # The scripted backend sends no prompt logprobs: formatting an echo with logprobs fails
+    # the way a backend bug would, after the request was served.
+    with ServerThread(create_app(backend, APISettings(model_id=MODEL))) as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        headers = {"Content-Type": "application/json"}
+
+        def post(body: dict) -> tuple[int, dict]:
+            conn.request("POST", "/v1/completions", json.dumps(body), headers)
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, body = post(_completion(prompt="Hello there, friend", echo=True, logprobs=1))
+        assert status == 500
+        assert body == {
+            "error": {
+                "message": "The server had an internal error.",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        }
+        sock = conn.sock
+        assert sock is not None  # not closed after the response
+        status, body = post(_completion())
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        assert conn.sock is sock  # the same connection served the next request
+        conn.close()
