@@ -21,6 +21,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.sampling.params import SamplingParams
+from tests.unit.coordinator_client import sse_events
 
 pytestmark = pytest.mark.real_model
 
@@ -153,3 +154,21 @@ def test_stream_null_means_not_streamed(http):
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("application/json")
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_streamed_echo_carries_the_prompt_logprobs_first(http, real_tokenizer):
+    prompt = CONTEXT + CHOICES[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 1, "echo": True}
+    whole = _score(http, prompt, max_tokens=3)["choices"][0]
+    response = http.post("/v1/completions", json={**body, "temperature": 0, "stream": True})
+    assert response.status_code == 200, response.text
+    chunks = [e["choices"][0] for e in sse_events(response.text) if e["choices"]]
+    first = chunks[0]
+    n = len(real_tokenizer.encode(prompt))
+    assert first["text"].startswith(prompt)
+    assert first["logprobs"]["top_logprobs"][0] is None
+    assert all(isinstance(t, dict) for t in first["logprobs"]["top_logprobs"][1:])
+    streamed = [v for c in chunks for v in c["logprobs"]["token_logprobs"]]
+    assert len(streamed) == n + 3
+    assert streamed[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
