@@ -1,7 +1,8 @@
 """The coordinator's OpenAI-compatible HTTP surface over a `GenerationBackend`.
 
 `/v1/chat/completions`, `/v1/completions` and `/v1/models` behave as OpenAI's do (bodies,
-SSE streaming, usage, errors); `/health` (liveness), `/ready` (the backend can serve) and
+SSE streaming, usage, errors); `/tokenize`, `/detokenize` and `/tokenizer_info` as vLLM's
+do (for evaluation harnesses); `/health` (liveness), `/ready` (the backend can serve) and
 `/metrics` (Prometheus) are for operators and need no API key.
 """
 
@@ -19,6 +20,7 @@ from services.coordinator.handlers import GenerationHandler
 from services.coordinator.last_resort import LastResortErrors
 from services.coordinator.metrics import APIMetrics
 from services.coordinator.settings import APISettings
+from services.coordinator.tokenizer_routes import add_tokenizer_routes
 from shared.telemetry.tracing import Tracing
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,6 +79,8 @@ def create_app(
         raise APIError(
             404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
         )
+
+    add_tokenizer_routes(app, backend, settings)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -172,3 +172,27 @@ def test_streamed_echo_carries_the_prompt_logprobs_first(http, real_tokenizer):
     assert len(streamed) == n + 3
     assert streamed[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=1e-4)
     assert "".join(c["text"] for c in chunks) == whole["text"]
+
+
+def test_tokenizer_endpoints_as_the_harness_uses_them(http, real_tokenizer):
+    # lm-eval's `tokenizer_backend=auto` uses the server's tokenizer when these answer.
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"]
+    assert info["model_max_length"] > 0
+    text = CONTEXT + CHOICES[0]
+    tokens = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert tokens["tokens"] == real_tokenizer.encode(text) and tokens["count"] == len(
+        tokens["tokens"]
+    )
+    back = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert back == {"prompt": text}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+    rendered = real_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert chat["tokens"] == real_tokenizer.encode(rendered)
+    bad = http.post("/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown = http.post("/tokenize", json={"model": "nope", "prompt": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    wrong = http.post("/tokenize", json={"prompt": 5})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "prompt"
