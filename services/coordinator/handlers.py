@@ -176,14 +176,22 @@ class GenerationHandler:
         except APIError as exc:
             self._count(progress, endpoint, exc.status)
             return error_response(exc)
+        except Exception:
+            self._count(progress, endpoint, 500)  # a bug: the last-resort handler answers
+            raise
         headers = {"X-Request-Id": prepared.response_id}
         fmt = spec.format(prepared, state)
         if prepared.stream:
             events = self._events(prepared, streams, first, state, fmt, progress, ticket)
             return SSEResponse(events, headers=headers)
         ticket.release()
+        try:
+            body = fmt.response()
+        except Exception:
+            self._count(progress, endpoint, 500)
+            raise
         self._finish(progress, endpoint, state, 200)
-        return JSONResponse(fmt.response(), headers=headers)
+        return JSONResponse(body, headers=headers)
 
     async def _collect(
         self, streams: ChoiceStreams, state: ResponseState, progress: _Progress

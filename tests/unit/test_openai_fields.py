@@ -365,4 +365,10 @@ def test_an_unhandled_error_is_a_500_on_a_connection_that_stays_open(backend):
         status, body = post(_completion())
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         assert conn.sock is sock  # the same connection served the next request
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
         conn.close()
+    counted = (
+        'splitserve_requests_total{endpoint="completion",model="m",status="500",tier="default"}'
+    )
+    assert f"{counted} 1.0" in metrics  # counted as the 500 it was, not as the 200 it began as
