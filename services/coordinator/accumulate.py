@@ -18,8 +18,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1, 2, ...
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -48,7 +47,6 @@ class ResponseState:
         state.logprobs.extend(chunk.logprobs)
         if chunk.prompt_logprobs is not None:
             state.prompt_logprobs = chunk.prompt_logprobs
-            state.prompt_top_logprobs = chunk.prompt_top_logprobs
         state.num_prompt_tokens = chunk.num_prompt_tokens
         state.num_cached_tokens = chunk.num_cached_tokens
         state.num_output_tokens = 0 if self.prepared.drop_output else chunk.num_output_tokens

@@ -1,13 +1,12 @@
 """The coordinator's OpenAI-compatible HTTP surface over a `GenerationBackend`.
 
 `/v1/chat/completions`, `/v1/completions` and `/v1/models` behave as OpenAI's do (bodies,
-SSE streaming, usage, errors); `/health` (liveness), `/ready` (the backend can serve) and
+SSE streaming, usage, errors); `/tokenize`, `/detokenize` and `/tokenizer_info` as vLLM's
+do (for evaluation harnesses); `/health` (liveness), `/ready` (the backend can serve) and
 `/metrics` (Prometheus) are for operators and need no API key.
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
@@ -15,19 +14,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.coordinator.backend import GenerationBackend, ModelInfo
-from services.coordinator.errors import (
-    INVALID_REQUEST,
-    SERVER_ERROR,
-    APIError,
-    error_body,
-)
+from services.coordinator.errors import INVALID_REQUEST, APIError, error_body
 from services.coordinator.failures import error_response
 from services.coordinator.handlers import GenerationHandler
+from services.coordinator.last_resort import LastResortErrors
 from services.coordinator.metrics import APIMetrics
 from services.coordinator.settings import APISettings
+from services.coordinator.tokenizer_routes import add_tokenizer_routes
 from shared.telemetry.tracing import Tracing
-
-log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -43,6 +37,7 @@ def create_app(
     handler = GenerationHandler(backend, settings, metrics, tracing)
     keyring = settings.keyring
     app = FastAPI(title="splitserve coordinator", docs_url=None, redoc_url=None)
+    app.add_middleware(LastResortErrors)  # inside Starlette's own, which would drop the connection
     app.state.backend = backend
     app.state.settings = settings
     app.state.metrics = metrics
@@ -61,12 +56,6 @@ def create_app(
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        body = error_body("The server had an internal error.", SERVER_ERROR, None, "internal_error")
-        return JSONResponse(body, status_code=500)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -90,6 +79,8 @@ def create_app(
         raise APIError(
             404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
         )
+
+    add_tokenizer_routes(app, backend, settings)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -44,6 +44,7 @@ from services.coordinator.retry import RetryLoop
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.settings import APISettings
 from services.coordinator.targets import resolve_targets
+from services.coordinator.unsupported import refuse_unsupported
 from shared.telemetry.http_span import RequestTrace
 from shared.telemetry.tracing import Tracing
 
@@ -123,6 +124,7 @@ class GenerationHandler:
         try:
             key = self.keyring.authenticate(request)
             data = await read_json_object(request, self.settings.max_body_bytes)
+            refuse_unsupported(data, endpoint)
             try:
                 body = spec.schema.model_validate(data)
             except ValidationError as exc:
@@ -174,14 +176,22 @@ class GenerationHandler:
         except APIError as exc:
             self._count(progress, endpoint, exc.status)
             return error_response(exc)
+        except Exception:
+            self._count(progress, endpoint, 500)  # a bug: the last-resort handler answers
+            raise
         headers = {"X-Request-Id": prepared.response_id}
         fmt = spec.format(prepared, state)
         if prepared.stream:
             events = self._events(prepared, streams, first, state, fmt, progress, ticket)
             return SSEResponse(events, headers=headers, on_close=lambda: _close(streams, ticket))
         ticket.release()
+        try:
+            body = fmt.response()
+        except Exception:
+            self._count(progress, endpoint, 500)
+            raise
         self._finish(progress, endpoint, state, 200)
-        return JSONResponse(fmt.response(), headers=headers)
+        return JSONResponse(body, headers=headers)
 
     async def _collect(
         self, streams: ChoiceStreams, state: ResponseState, progress: _Progress

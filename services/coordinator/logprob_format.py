@@ -36,17 +36,24 @@ class CompletionLogprobs:
         self.offset = start_offset
 
     def prompt(
-        self,
-        token_ids: list[int],
-        logprobs: list[float | None] | None,
-        top: list[list[tuple[int, float]] | None] | None,
+        self, token_ids: list[int], logprobs: list[TokenLogprob] | None
     ) -> dict[str, list[Any]]:
-        # The first prompt token has no context, so no logprob: null, as OpenAI reports it.
-        values = list(logprobs) if logprobs is not None else [None] * len(token_ids)
-        alternatives = list(top) if top is not None else [None] * len(token_ids)
-        tops = [
-            None if alts is None else self._top(token_id, value, alts)
-            for token_id, value, alts in zip(token_ids, values, alternatives, strict=True)
+        """The prompt's lists: the first token has no context, so null logprob and null
+        alternatives, as OpenAI reports it; every later one a value and a mapping."""
+        rest = logprobs or []
+        if len(rest) != len(token_ids) - 1 or any(
+            lp.token_id != t for lp, t in zip(rest, token_ids[1:], strict=False)
+        ):
+            # A backend bug (the engine computes every prompt position it is asked for):
+            # loud, with what would help find it, never a silently shifted list.
+            raise ValueError(
+                f"prompt logprobs cover {len(rest)} tokens of a {len(token_ids)}-token prompt "
+                "(expected all but the first, in order)"
+            )
+        values: list[float | None] = [None, *(lp.logprob for lp in rest)]
+        tops: list[dict[str, float] | None] = [
+            None,
+            *(self._top(lp.token_id, lp.logprob, lp.top) for lp in rest),
         ]
         return self._lists(token_ids, values, tops)
 
@@ -57,12 +64,11 @@ class CompletionLogprobs:
         return self._lists(ids, values, tops)
 
     def _top(
-        self, token_id: int, logprob: float | None, alts: list[tuple[int, float]]
+        self, token_id: int, logprob: float, alts: list[tuple[int, float]]
     ) -> dict[str, float]:
         top = {self.tokenizer.decode([t]): v for t, v in alts}
-        if logprob is not None:
-            # The chosen token is always listed, even when it was not among the top k.
-            top.setdefault(self.tokenizer.decode([token_id]), logprob)
+        # The chosen token is always listed, even when it was not among the top k.
+        top.setdefault(self.tokenizer.decode([token_id]), logprob)
         return top
 
     def _lists(

@@ -138,7 +138,9 @@ def cel_view(body: Any) -> dict[str, Any]:
     return view
 
 
-def _text(content: str | list[dict[str, str]]) -> str:
+def _text(content: str | list[dict[str, str]] | None) -> str:
+    if content is None:  # an assistant turn that only called tools
+        return ""
     if isinstance(content, str):
         return content
     return "".join(part["text"] for part in content)

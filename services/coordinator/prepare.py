@@ -11,14 +11,16 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from services.coordinator.backend import GenerationRequest, ModelInfo
+from services.coordinator.chat_prompt import render_chat
 from services.coordinator.errors import APIError, bad_request
 from services.coordinator.prompt_tokens import PromptTokens
 from services.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.service_tiers import resolve_tier, tier_priority
 from services.coordinator.settings import APISettings
+from services.coordinator.tool_calls import ToolCallParsing
 from shared.sampling.params import MAX_SEED, SamplingParamError, SamplingParams
 
 Endpoint = Literal["chat", "completion"]
@@ -41,6 +43,7 @@ class PreparedRequest:
     logprobs: int | None = None  # alternatives per output token, None = no logprobs
     echo: bool = False
     drop_output: bool = False  # max_tokens=0: the one token generated is discarded
+    tool_parsing: ToolCallParsing | None = None  # chat with tools offered: calls are parsed
     # Engine parameter names -> what this client called them (`max_completion_tokens`, ...).
     param_names: dict[str, str] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -59,15 +62,8 @@ def prepare_chat(
     """`encoder`: the model's tokenizer, with the pieces earlier turns encoded."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    messages: list[dict[str, Any]] = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-        for m in body.messages
-    ]
-    try:
-        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
-    prompt = encoder.encode(text)
+    chat = render_chat(body, model.tokenizer)
+    prompt = encoder.encode(chat.text)
     limit_param = (
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     )
@@ -77,7 +73,7 @@ def prepare_chat(
     if requested is not None and requested < 1:
         raise bad_request(f"{limit_param} must be at least 1, got {requested}", limit_param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _build(
+    prepared = _build(
         "chat",
         "chatcmpl",
         body,
@@ -92,6 +88,8 @@ def prepare_chat(
         names={"max_tokens": limit_param, "logprobs": "top_logprobs"},
         tier=tier,
     )
+    prepared.tool_parsing = chat.tool_parsing
+    return prepared
 
 
 def prepare_completion(
@@ -101,8 +99,6 @@ def prepare_completion(
     settings: APISettings,
     tier: str | None = None,
 ) -> PreparedRequest:
-    if body.suffix:
-        raise bad_request("suffix is not supported by this model", "suffix")
     n = body.n if body.n is not None else 1
     if body.best_of is not None and body.best_of != n:
         raise bad_request("best_of other than n is not supported", "best_of")
@@ -159,8 +155,6 @@ def _build(
 ) -> PreparedRequest:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     n = body.n if body.n is not None else 1
     if n < 1:
         raise bad_request(f"n must be at least 1, got {n}", "n")

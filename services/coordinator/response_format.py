@@ -13,6 +13,7 @@ from services.coordinator.logprob_format import (
     merge_completion_logprobs,
 )
 from services.coordinator.prepare import PreparedRequest
+from services.coordinator.tool_calls import ToolCallSplitter
 
 
 class ResponseFormat(ABC):
@@ -69,6 +70,10 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, prepared: PreparedRequest, state: ResponseState):
+        super().__init__(prepared, state)
+        self._splitters: dict[int, ToolCallSplitter] = {}  # per choice, with tools offered
+
     def stream_chunks(self, index: int, chunk: GenerationChunk) -> list[dict[str, Any]]:
         choice = self.state.choices[index]
         out = []
@@ -79,9 +84,21 @@ class ChatFormat(ResponseFormat):
         logprobs = None
         if self.prepared.logprobs is not None and chunk.logprobs:
             logprobs = {"content": chat_logprobs(self.tokenizer, chunk.logprobs), "refusal": None}
-        if chunk.text or logprobs or chunk.finished:
-            delta = {"content": chunk.text} if chunk.text else {}
-            reason = choice.finish_reason if chunk.finished else None
+        text, calls = chunk.text, []
+        splitter = self._splitter(index)
+        if splitter is not None:
+            split = splitter.feed(text)
+            if chunk.finished:
+                rest = splitter.finish()
+                split.content += rest.content
+                split.calls += rest.calls
+            text, calls = split.content, split.calls
+        if text or calls or logprobs or chunk.finished:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                first = len(splitter.calls) - len(calls) if splitter else 0
+                delta["tool_calls"] = [c.delta_entry(first + i) for i, c in enumerate(calls)]
+            reason = self._finish_reason(index) if chunk.finished else None
             payload = self._choice(index, delta, logprobs, reason)
             out.append(self._chunk(payload, with_metadata=chunk.finished))
         return out
@@ -95,21 +112,45 @@ class ChatFormat(ResponseFormat):
                     "content": chat_logprobs(self.tokenizer, choice.logprobs),
                     "refusal": None,
                 }
-            message = {
+            message: dict[str, Any] = {
                 "role": "assistant",
                 "content": choice.text,
                 "refusal": None,
                 "annotations": [],
             }
+            splitter = self._splitter(index)
+            if splitter is not None:
+                content = splitter.feed(choice.text).content + splitter.finish().content
+                if splitter.calls:
+                    message["content"] = content or None
+                    message["tool_calls"] = [c.message_entry() for c in splitter.calls]
+                else:
+                    message["content"] = content
             choices.append(
                 {
                     "index": index,
                     "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
+                    "finish_reason": self._finish_reason(index),
                 }
             )
         return self._body(choices)
+
+    def _splitter(self, index: int) -> ToolCallSplitter | None:
+        parsing = self.prepared.tool_parsing
+        if parsing is None:
+            return None
+        if index not in self._splitters:
+            self._splitters[index] = ToolCallSplitter(parsing)
+        return self._splitters[index]
+
+    def _finish_reason(self, index: int) -> str | None:
+        reason = self.state.choices[index].finish_reason
+        splitter = self._splitters.get(index)
+        # A reply cut off by max_tokens stays "length", calls or not: it did not end itself.
+        if reason == "stop" and splitter is not None and splitter.calls:
+            return "tool_calls"
+        return reason
 
     @staticmethod
     def _choice(
@@ -182,7 +223,5 @@ class CompletionFormat(ResponseFormat):
     def _prompt_part(self, builder: CompletionLogprobs, index: int) -> dict[str, list]:
         choice = self.state.choices[index]
         return builder.prompt(
-            self.prepared.prompt_ids[self.prepared.prompt_index(index)],
-            choice.prompt_logprobs,
-            choice.prompt_top_logprobs,
+            self.prepared.prompt_ids[self.prepared.prompt_index(index)], choice.prompt_logprobs
         )

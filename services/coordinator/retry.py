@@ -199,7 +199,7 @@ class _ClientStream:
         if meta is not None or id(attempt) not in self._seen:
             self._note(attempt, chunk)
         if not origin:
-            chunk.metadata, chunk.prompt_logprobs, chunk.prompt_top_logprobs = None, None, None
+            chunk.metadata, chunk.prompt_logprobs = None, None
         if origin:
             self._num_cached = chunk.num_cached_tokens
         self.progress.streamed.extend(chunk.token_ids)

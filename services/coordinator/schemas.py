@@ -1,14 +1,18 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic.
 
 Types are strict (no "5" for 5, no 1 for true): OpenAI answers such bodies with a 400 naming
-the parameter, and a client sending them has a bug worth hearing about. Unknown fields are
-ignored, as OpenAI does. Fields that accept several shapes (`stop`, `prompt`, message
-`content`) are checked by one function each, so an error names the field the client sent
-rather than a pydantic union member.
+the parameter, and a client sending them has a bug worth hearing about. `null` for a field
+that has a default means that default (OpenAI's schema marks most fields nullable). Unknown
+fields are ignored; the known ones this server does not implement are refused before this
+(`unsupported`). Fields that accept several shapes (`stop`, `prompt`, message `content`,
+`tool_choice`) are checked by one function each, so an error names the field the client sent
+rather than a pydantic union member. Checks that span fields (a tool message answering an
+earlier call, a named tool being offered) are made where the prompt is built (`chat_prompt`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +24,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -94,6 +99,18 @@ Prompt = Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
@@ -101,11 +118,94 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class AssistantToolCall(_Body):
+    id: StrictStr
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    # `developer` is OpenAI's newer name for `system`; tool turns are not supported.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+    # `developer` is OpenAI's newer name for `system`. Which fields each role needs (content,
+    # or tool_calls for an assistant; tool_call_id for a tool) is checked in `chat_prompt`.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None
     name: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns
+    tool_call_id: StrictStr | None = None  # tool turns: the call this answers
+    refusal: StrictStr | None = None  # an assistant turn that refused
+
+
+MAX_TOOLS = 128  # OpenAI's limit
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(_Body):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema for the arguments object
+    strict: StrictBool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not _FUNCTION_NAME.fullmatch(value):
+            raise _invalid(
+                f"must be 1 to 64 letters, digits, underscores or dashes, got {value[:80]!r}"
+            )
+        return value
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # A function takes one arguments object; a schema for anything else cannot describe it.
+        if value is not None and value.get("type", "object") != "object":
+            raise _invalid(
+                f"must be a JSON Schema of type 'object' (the arguments object), "
+                f"got type {value['type']!r}"
+            )
+        return value
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: dict[str, StrictStr]
+
+    @field_validator("function")
+    @classmethod
+    def _has_name(cls, value: dict[str, str]) -> dict[str, str]:
+        if "name" not in value:
+            raise _invalid("must name the function: {'name': ...}")
+        return value
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+
+
+def _tool_choice(value: Any) -> ToolChoiceMode | NamedToolChoice:
+    if value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        if value.get("type") != "function":
+            raise _invalid(
+                f"an object tool_choice must have type 'function', got {value.get('type')!r}"
+            )
+        return NamedToolChoice.model_validate(value)
+    raise _invalid(
+        "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+    )
+
+
+ToolChoice = Annotated[ToolChoiceMode | NamedToolChoice, PlainValidator(_tool_choice)]
 
 
 class Fallback(_Body):
@@ -159,7 +259,6 @@ class _GenerationBody(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     service_tier: StrictStr | None = None
-    logit_bias: dict[str, Any] | None = None
     # Models to try in order (`model`, when given and different, goes first), and when to
     # give up on one that has not produced its first token.
     models: list[StrictStr] | None = None
@@ -186,6 +285,22 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: StrictBool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_limits(cls, value: list[Tool] | None) -> list[Tool] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_TOOLS:
+            raise _invalid(f"may hold at most {MAX_TOOLS} tools, got {len(value)}")
+        names = [t.function.name for t in value]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise _invalid(f"function names must be unique; {duplicate!r} appears twice")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -199,5 +314,4 @@ class CompletionRequest(_GenerationBody):
     prompt: Prompt
     echo: StrictBool = False
     logprobs: StrictInt | None = None  # number of alternatives per token, as in OpenAI's API
-    suffix: StrictStr | None = None
     best_of: StrictInt | None = None

@@ -109,7 +109,6 @@ class Engine:
             lambda: measure_step_costs(self.model, self.pool, self.blocks, config.block_size)
         )
         self.sequences: dict[str, Sequence] = {}
-        self._prompt_logprobs: dict[str, list[float | None]] = {}
         self._ids = itertools.count()
         # Requests stopped before they finished (client gone, migrated, stop string matched
         # by the coordinator): the figure cancellation tests and operators check.
@@ -145,9 +144,9 @@ class Engine:
             keep_kv=keep_kv,
             max_new_tokens=max_new_tokens,
         )
-        self.sequences[request_id] = seq
         if prompt_logprobs:
-            self._prompt_logprobs[request_id] = [None]  # the first token has no context
+            seq.prompt_logprobs = []
+        self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
 
@@ -261,7 +260,6 @@ class Engine:
             self.scheduler.release_kv(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
-        self._prompt_logprobs.pop(request_id, None)
         self.speculator.release(request_id)
 
     def release(self, request_id: str) -> None:
@@ -290,7 +288,10 @@ class Engine:
         if batch.is_empty:
             return []
         want = {
-            i for i, s in enumerate(batch.scheduled) if s.seq.request_id in self._prompt_logprobs
+            i
+            for i, s in enumerate(batch.scheduled)
+            if s.seq.prompt_logprobs is not None
+            and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         }
         run_start = time.perf_counter()
         result = self.runner.run(batch.scheduled, want)
@@ -318,7 +319,7 @@ class Engine:
         for index, item in enumerate(batch.scheduled):
             seq = item.seq
             if index in result.prompt_logprobs:
-                self._prompt_logprobs[seq.request_id].extend(result.prompt_logprobs[index])
+                seq.add_prompt_logprobs(seq.num_computed_tokens + 1, result.prompt_logprobs[index])
             if item.num_draft:
                 continue  # settled by _settle_verified once the accepted length is known
             seq.num_computed_tokens += item.num_tokens
@@ -394,8 +395,8 @@ class Engine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
         )
-        if seq.request_id in self._prompt_logprobs and len(seq.output_token_ids) == 1:
-            out.prompt_logprobs = self._prompt_logprobs.pop(seq.request_id)
+        if seq.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
         reason = None
         if token in seq.params.stop_token_ids or (
             not seq.params.ignore_eos and token in self.stop_token_ids

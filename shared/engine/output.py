@@ -13,7 +13,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None  # set once, when the prompt completes
+    # Set once, when the prompt completes (if asked): prompt tokens 1, 2, ... (token 0 has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0

@@ -21,9 +21,9 @@ from shared.speculative.verify import Verified, VerifyInput, verify
 class StepResult:
     sampled: list[ScheduledSeq]  # the sequences that got a new token, in row order
     samples: SampleOutput | None
-    # Per scheduled sequence that asked for prompt logprobs: logprob of each computed token
-    # given the ones before it (positions whose successor was in this step).
-    prompt_logprobs: dict[int, list[float]]
+    # Per scheduled sequence that asked for prompt logprobs: for each computed position whose
+    # successor is a prompt token, that token's logprob (and alternatives) given the ones before.
+    prompt_logprobs: dict[int, list[TokenLogprob]]
     # Set instead of `samples` when the step verified drafts: per row of `sampled`, the
     # accepted drafts plus one target token.
     verified: list[Verified] | None = None
@@ -84,7 +84,7 @@ class ModelRunner:
                 device=self.device,
             )
             samples = self.sampler.sample(logits, batch)
-        prompt_logprobs: dict[int, list[float]] = {}
+        prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         for index, (item, end) in enumerate(zip(scheduled, ends, strict=True)):
             if index in want_prompt_logprobs:
                 prompt_logprobs[index] = self._chunk_logprobs(item, hidden, end)
@@ -181,8 +181,11 @@ class ModelRunner:
             logprobs[row] = TokenLogprob(token, float(raw[token]), top)
         return verified, logprobs
 
-    def _chunk_logprobs(self, item: ScheduledSeq, hidden: torch.Tensor, end: int) -> list[float]:
-        """log p(token[i+1] | tokens[..i]) for chunk positions i whose successor is known."""
+    def _chunk_logprobs(
+        self, item: ScheduledSeq, hidden: torch.Tensor, end: int
+    ) -> list[TokenLogprob]:
+        """For chunk positions i whose successor is known: log p(token[i+1] | tokens[..i]) and
+        the sequence's `logprobs` top alternatives there."""
         seq = item.seq
         start = seq.num_computed_tokens
         positions = [
@@ -192,7 +195,19 @@ class ModelRunner:
             return []
         first_row = end - item.num_tokens + 1
         rows = torch.tensor([first_row + (p - start) for p in positions], device=self.device)
-        logits = self.model.logits(hidden[rows], decode=False).float()
-        targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in positions], device=self.device)
-        logprobs = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-        return logprobs.tolist()
+        logprobs = self.model.logits(hidden[rows], decode=False).float().log_softmax(-1)
+        targets = [seq.prompt_token_ids[p + 1] for p in positions]
+        chosen = logprobs.gather(-1, torch.tensor(targets, device=self.device)[:, None])
+        k = min(seq.params.logprobs or 0, logprobs.shape[-1])
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            tops = [
+                list(zip(ids, values, strict=True))
+                for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+            ]
+        else:
+            tops = [[] for _ in positions]
+        return [
+            TokenLogprob(token, value, top)
+            for token, value, top in zip(targets, chosen.squeeze(-1).tolist(), tops, strict=True)
+        ]

@@ -199,7 +199,7 @@ class Scheduler:
                 return False
             seq.table, seq.swapped = table, None
             return True
-        allocation = self.blocks.allocate(seq.token_ids)
+        allocation = self.blocks.allocate(seq.token_ids, max_reused_tokens=seq.max_reused_tokens)
         if allocation is None:
             return False
         seq.table = allocation.table

@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from shared.kvcache.tables import BlockTable, SwappedBlocks
+from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
 from shared.speculative.proposer import Draft
 
@@ -45,6 +46,35 @@ class Sequence:
     # each step, never carried over.
     draft: Draft | None = None
     draft_method: str | None = None
+    # Asked for prompt logprobs: those of prompt tokens 1, 2, ... computed so far (token 0
+    # has no context, so none). None: not asked.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def max_reused_tokens(self) -> int | None:
+        """How much of its prefix the sequence may take from the prefix cache (None: all).
+
+        Prompt logprobs are computed, never cached: the logprob of token p comes from the
+        forward pass over token p - 1, so a sequence still missing some must compute every
+        position from the first one it lacks. Costs a cache hit; keeps the values exact and
+        the same whether or not another request cached the prefix.
+        """
+        if self.prompt_logprobs is None:
+            return None
+        known = len(self.prompt_logprobs)  # tokens 1..known have theirs
+        return None if known >= self.num_prompt_tokens - 1 else known
+
+    def add_prompt_logprobs(self, first_token: int, logprobs: list[TokenLogprob]) -> None:
+        """Logprobs of prompt tokens `first_token`, `first_token + 1`, ...; positions already
+        known (recomputed after a preemption) are kept as they were."""
+        assert self.prompt_logprobs is not None
+        known = len(self.prompt_logprobs)
+        if first_token > known + 1:
+            raise RuntimeError(
+                f"{self.request_id}: prompt logprobs from token {first_token} but only "
+                f"1..{known} are known (a cached prefix skipped some)"
+            )
+        self.prompt_logprobs.extend(logprobs[known + 1 - first_token :])
 
     @property
     def num_draft_tokens(self) -> int:

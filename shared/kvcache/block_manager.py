@@ -156,14 +156,21 @@ class BlockManager:
     # -- sequence lifecycle --------------------------------------------------------------
 
     def allocate(
-        self, token_ids: Sequence[int], num_lookahead_tokens: int = 0
+        self,
+        token_ids: Sequence[int],
+        num_lookahead_tokens: int = 0,
+        max_reused_tokens: int | None = None,
     ) -> Allocation | None:
-        """Blocks for a new sequence, reusing its cached prefix; None (no change) if short."""
+        """Blocks for a new sequence, reusing its cached prefix (at most `max_reused_tokens`
+        of it, when given); None (no change) if short."""
         if len(token_ids) == 0:
             raise ValueError("cannot allocate a sequence with no tokens")
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
-        match = self._match(token_ids, (len(token_ids) - 1) // self.block_size)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if max_reused_tokens is not None:
+            max_blocks = min(max_blocks, max(0, max_reused_tokens) // self.block_size)
+        match = self._match(token_ids, max_blocks)
         total = _blocks_for(len(token_ids) + num_lookahead_tokens, self.block_size)
         hits = {
             i: block_id

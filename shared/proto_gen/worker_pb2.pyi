@@ -103,11 +103,10 @@ class TransferOutcome(_message.Message):
     def __init__(self, status: _Optional[str] = ..., error: _Optional[str] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., backend: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
-    __slots__ = ("first_token", "logprob", "has_logprob", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "prefill_ms", "finished", "finish_reason", "replica")
+    __slots__ = ("first_token", "logprob", "has_logprob", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "prefill_ms", "finished", "finish_reason", "replica", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -115,10 +114,10 @@ class PrefillFirstToken(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprob: TokenLogprob
     has_logprob: bool
-    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_ms: float
@@ -126,7 +125,8 @@ class PrefillFirstToken(_message.Message):
     finished: bool
     finish_reason: str
     replica: str
-    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer")
@@ -149,7 +149,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[GenerateSpec, _Mapping]] = ..., kv_transferred: _Optional[bool] = ..., first_token: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "prompt_logprobs", "kv_wait_ms")
+    __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "kv_wait_ms", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -159,8 +159,8 @@ class DecodeChunk(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     token_time_ms: _containers.RepeatedScalarFieldContainer[float]
@@ -170,9 +170,9 @@ class DecodeChunk(_message.Message):
     num_cached_tokens: int
     num_output_tokens: int
     local_prefill: bool
-    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     kv_wait_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_time_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., kv_wait_ms: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_time_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # OpenAI-style content parts are joined the way other OpenAI-compatible servers flatten them
@@ -83,24 +84,39 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
+            variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{origin}: the chat template does not compile: {e}") from e
+        # A template that reads `tools` renders tool definitions (and, by the Hugging Face
+        # convention such templates follow, tool calls and tool results) itself.
+        self.supports_tools = "tools" in variables
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text; ValueError if the messages are malformed or the template refuses."""
+        """The prompt text; ValueError if the messages are malformed or the template refuses.
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` objects) reach only a
+        template that `supports_tools`; the caller renders them some other way otherwise.
+        """
         if not messages:
             raise ValueError("messages must not be empty")
+        if tools and not self.supports_tools:
+            raise ValueError("this chat template does not render tools")
+        extra = {"tools": list(tools)} if tools else {}  # absent, not null, as before tools
         try:
             return self._template.render(
                 messages=normalize_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.TemplateError as e:  # raise_exception, sandbox violations, undefined keys
             raise ValueError(f"the chat template rejected the conversation: {e}") from e

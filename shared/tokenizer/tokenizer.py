@@ -147,15 +147,26 @@ class Tokenizer:
         return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt text for a conversation, rendered with the file's own chat template.
 
         Message `content` may be a string or a list of `{"type": "text", "text": ...}` parts.
+        `tools` only if `chat_template_supports_tools`.
         """
         if self._chat_template is None:
             raise ValueError(f"{self._vocab.path} has no chat template (tokenizer.chat_template)")
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+
+    @property
+    def chat_template_supports_tools(self) -> bool:
+        """Whether the file's chat template renders tool definitions itself."""
+        return self._chat_template is not None and self._chat_template.supports_tools
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -3,8 +3,6 @@ the one place each is converted, for both sides of the wire."""
 
 from __future__ import annotations
 
-import math
-
 from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.logprob import TokenLogprob
@@ -62,14 +60,13 @@ def logprob_from_proto(m: pb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
 
 
-def prompt_logprobs_to_proto(values: list[float | None] | None) -> list[float]:
-    return [math.nan if v is None else v for v in (values or [])]
+def prompt_logprobs_to_proto(values: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in values or ()]
 
 
-def prompt_logprobs_from_proto(values) -> list[float | None] | None:
-    if not values:
-        return None
-    return [None if math.isnan(v) else v for v in values]
+def prompt_logprobs_from_proto(values) -> list[TokenLogprob] | None:
+    # Empty on the wire: not asked for (a one-token prompt, which has none, reads the same).
+    return [logprob_from_proto(lp) for lp in values] if values else None
 
 
 def first_token_chunk(m: pb.PrefillFirstToken, replica: str) -> GenerationChunk:

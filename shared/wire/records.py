@@ -21,10 +21,9 @@ class GenerationChunk:
     token_ids: list[int]
     text: str = ""  # delta, safe to show (no partial stop string, no broken UTF-8)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None  # on the first chunk, when asked for
-    # Top alternatives per prompt position (first entry None), when the backend has them;
-    # without them a completions `echo` reports `top_logprobs` null for prompt tokens.
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # On the first chunk, when asked for: prompt tokens 1, 2, ... (token 0 has no context),
+    # each with its logprob given the tokens before it and the top alternatives there.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0

@@ -147,3 +147,34 @@ def test_bad_input_keeps_the_stack_healthy(stack, client):
         model=DEFAULT_MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     assert ok.choices[0].message.content is not None
+
+
+def test_echo_logprobs_agree_on_a_cached_prefix(stack, real_model, real_tokenizer):
+    # The last request finds the prompt cached (the plain one in between reports the hit):
+    # its prompt logprobs must still cover, and equal, every position.
+    prompt = "Scoring a prompt twice: the second time its prefix is already in the cache. " * 4
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "echo": True,
+        "temperature": 0,
+    }
+    plain = {k: v for k, v in body.items() if k not in ("logprobs", "echo")}
+    replies = [
+        httpx.post(f"{stack.base_url}/completions", json=b, timeout=60) for b in (body, plain, body)
+    ]
+    assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
+    assert replies[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    cold, hot = (r.json()["choices"][0]["logprobs"] for r in (replies[0], replies[2]))
+    ids = real_tokenizer.encode(prompt)
+    assert cold["tokens"][: len(ids)] == hot["tokens"][: len(ids)]
+    assert hot["token_logprobs"][0] is None and hot["top_logprobs"][0] is None
+    assert hot["token_logprobs"][1:] == pytest.approx(cold["token_logprobs"][1:], abs=1e-4)
+    assert all(isinstance(top, dict) and top for top in hot["top_logprobs"][1:])
+    engine = Engine(EngineConfig(num_blocks=64), model=real_model, tokenizer=real_tokenizer)
+    engine.add_request(ids, SamplingParams(max_tokens=1), prompt_logprobs=True)
+    (first, *_) = list(engine.run_until_done())
+    expected = [lp.logprob for lp in first.prompt_logprobs]
+    assert hot["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-3)

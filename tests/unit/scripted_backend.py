@@ -4,7 +4,8 @@ Each model id maps to a `Script`: how long before the first token, whether it fa
 (or instead of) it, how many tokens and how fast. Every call is recorded with whether it
 finished or was closed early (which is how the coordinator aborts a request), so tests can
 check that a fallback cancelled the attempt it gave up on. Token i is the ids of the text
-"t{i} ", so the coordinator's detokenizer reads "t0 t1 t2 " from three tokens' worth.
+"t{i} ", so the coordinator's detokenizer reads "t0 t1 t2 " from three tokens' worth; or the
+script gives the reply's text.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Script:
     token_delay_s: float = 0.0
     cached_tokens: int = 0
     replica: str = "scripted-0"
+    # The reply as text (its tokens one a chunk, then end of turn: "stop"), not "t0 t1 ...".
+    text: str | None = None
 
 
 @dataclass
@@ -63,15 +66,22 @@ class ScriptedTestBackend:
             if script.fail is not None:
                 call.finished = True
                 raise script.fail
-            count = min(script.num_tokens, req.params.max_tokens)
+            if script.text is not None:  # then the end-of-turn token, as a model stops
+                pieces = [[t] for t in self.tokenizer.encode(script.text)]
+                pieces.append([self.tokenizer.eos_token_id])
+                end = "stop" if len(pieces) <= req.params.max_tokens else "length"
+            else:
+                pieces = [self.tokenizer.encode(f"t{i} ") for i in range(script.num_tokens)]
+                end = "length"
+            count = min(len(pieces), req.params.max_tokens)
             for i in range(count):
                 if i:
                     await asyncio.sleep(script.token_delay_s)
                 last = i == count - 1
                 yield GenerationChunk(
-                    token_ids=self.tokenizer.encode(f"t{i} "),
+                    token_ids=pieces[i],
                     finished=last,
-                    finish_reason="length" if last else None,
+                    finish_reason=end if last else None,
                     num_prompt_tokens=prompt,
                     num_cached_tokens=script.cached_tokens,
                     num_output_tokens=i + 1,

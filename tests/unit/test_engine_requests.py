@@ -107,5 +107,5 @@ def test_prompt_logprobs_match_a_full_forward(engine, tiny_model):
     got = outs[0].prompt_logprobs
     logits = dense_logits(tiny_model, prompt).log_softmax(-1)
     expected = [logits[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
-    assert got[0] is None
-    assert got[1:] == pytest.approx(expected, abs=1e-4)
+    assert [lp.token_id for lp in got] == prompt[1:]  # token 0 has no context, so none
+    assert [lp.logprob for lp in got] == pytest.approx(expected, abs=1e-4)

@@ -146,9 +146,19 @@ def test_saved_router_over_http(real_tokenizer):
             json=chat_body(model="router/smart", metadata={"plan": "pro"}),
         )
         missing = await client.post("/v1/chat/completions", json=chat_body(model="router/gone"))
-        return pro, missing
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        tool_turns = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+        tools = await client.post(  # conditions read a content-less assistant turn as ""
+            "/v1/chat/completions", json=chat_body(model="router/smart", messages=tool_turns)
+        )
+        return pro, missing, tools
 
-    pro, missing = run_with_client(backend, settings, work)
+    pro, missing, tools = run_with_client(backend, settings, work)
+    assert tools.status_code == 200 and tools.json()["model"] == SMALL, tools.text
     data = pro.json()
     assert data["model"] == SMALL  # BIG missed the router's 250 ms deadline
     assert [a["model"] for a in meta(data, "attempts")] == [BIG, SMALL]

@@ -157,11 +157,11 @@ JSON_CASES = [
         "invalid_value",
     ),
     (
-        "tool_role",
+        "tool_result_without_a_call",
         "chat",
-        _chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+        _chat(messages=[*USER, {"role": "tool", "content": "x", "tool_call_id": "1"}]),
         400,
-        "messages[0].role",
+        "messages[1].tool_call_id",
         "invalid_value",
     ),
     ("empty_messages", "chat", _chat(messages=[]), 400, "messages", "invalid_value"),
@@ -241,7 +241,14 @@ JSON_CASES = [
         "stream_options",
         "invalid_value",
     ),
-    ("logit_bias", "chat", _chat(logit_bias={"50": 10}), 400, "logit_bias", "invalid_value"),
+    (
+        "logit_bias",
+        "chat",
+        _chat(logit_bias={"50": 10}),
+        400,
+        "logit_bias",
+        "unsupported_parameter",
+    ),
     (
         "token_out_of_vocab",
         "completion",
@@ -253,7 +260,7 @@ JSON_CASES = [
     ("empty_prompt_list", "completion", _completion(prompt=[]), 400, "prompt", "invalid_value"),
     ("prompt_object", "completion", _completion(prompt={"a": 1}), 400, "prompt", "invalid_value"),
     ("empty_prompt_text", "completion", _completion(prompt=""), 400, "prompt", "invalid_value"),
-    ("suffix", "completion", _completion(suffix="end"), 400, "suffix", "invalid_value"),
+    ("suffix", "completion", _completion(suffix="end"), 400, "suffix", "unsupported_parameter"),
 ]
 
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
