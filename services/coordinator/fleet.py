@@ -18,6 +18,7 @@ from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.rpc.channels import ChannelPool
+from shared.wire.records import WorkerLoad
 
 WorkerState = Literal["serving", "draining", "silent", "dead"]
 
@@ -102,7 +103,8 @@ async def _none() -> str:
 def describe_worker(
     info: WorkerInfo, stats: dict[str, Any] | str, state: WorkerState, now: float
 ) -> dict[str, Any]:
-    load = info.load
+    # The load its Stats just gave is fresher than the last heartbeat's (up to an interval old).
+    load = WorkerLoad(**stats["load"]) if isinstance(stats, dict) and "load" in stats else info.load
     row: dict[str, Any] = {
         "worker_id": info.worker_id,
         "model": info.model,

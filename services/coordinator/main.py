@@ -27,7 +27,6 @@ from shared.config.schema import ConfigError, DeploymentConfig
 from shared.modelfile.default import default_model_path
 from shared.modelfile.gguf_meta import read_gguf_config
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
-from shared.telemetry.recent_traces import TraceFileTail
 from shared.telemetry.tracing import Tracing
 from shared.tokenizer import Tokenizer
 
@@ -133,6 +132,8 @@ def playground_sources(
     trace file when every service of the deployment writes to the same one (a local stack)."""
     tail = None
     if tracing.recent is not None and config.telemetry.exporter == "file":
+        from shared.telemetry.recent_traces import TraceFileTail  # the SDK is loaded: tracing
+
         tail = TraceFileTail(config.telemetry.file, tracing.recent, skip_pid=os.getpid())
         tail.start_at_end()
     return PlaygroundSources(fleet=fleet, traces=tracing.recent, trace_file=tail)

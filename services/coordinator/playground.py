@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -20,7 +21,9 @@ from services.coordinator.errors import APIError
 from services.coordinator.fleet import FleetView
 from services.coordinator.service_tiers import VALID_TIERS
 from services.coordinator.static_files import SECURITY_HEADERS, StaticBundle
-from shared.telemetry.recent_traces import RecentTraces, TraceFileTail
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only by a coordinator that traces
+    from shared.telemetry.recent_traces import RecentTraces, TraceFileTail
 
 MAX_TRACE_LIST = 50
 

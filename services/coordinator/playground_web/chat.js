@@ -41,7 +41,6 @@ export function setupChat({ onTrace }) {
   const prompt = $("prompt");
   const send = $("send");
   const stop = $("stop");
-  const errorEl = $("chat-error");
   let controller = null;
 
   composerKeys(prompt, form, stop);
@@ -57,7 +56,6 @@ export function setupChat({ onTrace }) {
     event.preventDefault();
     const content = prompt.value.trim();
     if (!content || controller) return;
-    errorEl.hidden = true;
     history.push({ role: "user", content });
     messageItem(list, "user", content);
     prompt.value = "";
@@ -75,9 +73,7 @@ export function setupChat({ onTrace }) {
     send.disabled = false;
     stop.disabled = true;
     if (reply.error && !reply.text) {
-      history.pop(); // the turn never happened: it can be sent again
-      errorEl.textContent = reply.error.message;
-      errorEl.hidden = false;
+      history.pop(); // the turn never happened (its item shows why): it can be sent again
     } else {
       history.push({ role: "assistant", content: reply.text });
     }

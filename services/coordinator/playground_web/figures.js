@@ -39,13 +39,15 @@ export function timings(run) {
 const ms = (v) => (v == null ? "–" : `${v.toFixed(1)} ms`);
 
 function figure(list, name, label, value, title) {
+  const pair = document.createElement("div");
   const dt = document.createElement("dt");
   dt.textContent = label;
   const dd = document.createElement("dd");
   dd.dataset.figure = name;
   dd.textContent = value;
   if (title) dd.title = title;
-  list.append(dt, dd);
+  pair.append(dt, dd);
+  list.append(pair);
   return dd;
 }
 
@@ -110,7 +112,9 @@ function routing(meta) {
   const head = document.createElement("strong");
   head.textContent = "Routing: ";
   wrap.append(head);
-  const lines = [].concat(meta.reasoning || [], meta.routing || []);
+  // `reasoning` is the whole request's (every attempt, each line naming its model); a
+  // response without it still has its pair's `routing`.
+  const lines = [].concat(meta.reasoning || meta.routing || []);
   if (!lines.length) {
     wrap.append("no reasons given");
     return wrap;
