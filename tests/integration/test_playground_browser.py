@@ -25,6 +25,7 @@ from shared.config.schema import parse_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from tests.integration.test_local_stack import stack_config
 
 pytestmark = pytest.mark.real_model
 
@@ -50,27 +51,13 @@ def _playwright():
 def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("playground-stack")
     config = {
-        "coordinator": {
-            "port": 0,
-            "registry_port": 0,
-            "heartbeat_interval_s": 0.5,
-            "heartbeat_timeout_s": 2.0,
-        },
-        "transfer": {"backend": "shm"},
+        **stack_config(),
         "telemetry": {"exporter": "file", "file": str(run_dir / "traces.jsonl")},
         "api_keys": {"keys": [{"name": "playground", "key": KEY}]},
         # The first model always misses a 1 ms first-token deadline: the second one answers.
         "routers": {
             "fallback": {"models": [DEFAULT_MODEL_ID] * 2, "fallback": {"ttft_timeout": 1}}
         },
-        "models": [
-            {
-                "id": DEFAULT_MODEL_ID,
-                "weights": "fp32",
-                "pools": {"prefill": 1, "decode": 1},
-                "worker": {"kv_cache_bytes": 64 << 20, "host_cache_bytes": 32 << 20, "threads": 1},
-            }
-        ],
     }
     with start_local_stack(parse_config(config), 240, run_dir=run_dir / "run") as running:
         yield running
