@@ -8,7 +8,9 @@ so that drift on a shared machine and the stack's own state fall on both alike; 
 sends new prompts, so no round finds another's prefix cached. While off, nothing polls.
 
 Headline: `playground_throughput_ratio` (output tok/s with the poller / without, target
->= 0.98), beside the TTFT p50 of both modes and the fleet view's own latency.
+>= 0.98), beside the TTFT p50 of both modes and the fleet view's own latency. The ratio of
+each round's adjacent pair is kept too (`round_ratios`, and their median): on a busy machine
+their spread shows how much of the headline is the machine's drift rather than the poller.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def run(
     }
     timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}
     walls = dict.fromkeys(MODES, 0.0)
+    per_round: list[dict[str, float | None]] = []  # throughput tok/s per mode, per round
     poll_ms: list[float] = []
     with (
         tempfile.TemporaryDirectory(prefix="splitserve-playground-bench-") as tmp,
@@ -115,6 +118,7 @@ def run(
         asyncio.run(closed_loop_round(s.base_url, concurrency, concurrency, 4, -100))
         httpx.get(fleet_url, timeout=10).raise_for_status()
         for r in range(rounds):
+            per_round.append({})
             for mode in order(r):
                 first = (2 * r + MODES.index(mode)) * requests
                 if mode == "off":
@@ -130,6 +134,7 @@ def run(
                     poll_ms.extend(latencies)
                 timings[mode].extend(got)
                 walls[mode] += wall
+                per_round[-1][mode] = summarize_timings(got, wall)["throughput_tok_s"]
     for mode in MODES:
         result[mode] = summarize_timings(timings[mode], walls[mode])
     result["fleet_polls"] = len(poll_ms)
@@ -137,7 +142,16 @@ def run(
     result["fleet_poll_p99_ms"] = percentile(poll_ms, 0.99)
     off, on = result["off"]["throughput_tok_s"], result["fleet_poller"]["throughput_tok_s"]
     result["playground_throughput_ratio"] = on / off if on and off else None
+    result["round_ratios"] = round_ratios(per_round)
+    result["round_ratio_median"] = percentile(result["round_ratios"], 0.5)
     return result
+
+
+def round_ratios(per_round: list[dict[str, float | None]]) -> list[float]:
+    """Poller / off throughput within each round (the two ran back to back)."""
+    return [
+        r["fleet_poller"] / r["off"] for r in per_round if r.get("off") and r.get("fleet_poller")
+    ]
 
 
 def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
@@ -157,7 +171,17 @@ def table_rows(r: dict) -> list[tuple[str, object, object, object]]:
             THROUGHPUT_TARGET,
             None,
         ),
+        (
+            "  per-round ratios, median",
+            _span(r.get("round_ratios")),
+            None,
+            r.get("round_ratio_median"),
+        ),
         ("fleet view p50 / p99 ms", r["fleet_poll_p50_ms"], r["fleet_poll_p99_ms"], None),
         ("fleet polls answered", r["fleet_polls"], None, None),
         ("errors (off/poller)", f"{off['errors']}/{on['errors']}", 0, None),
     ]
+
+
+def _span(values: list[float] | None) -> str | None:
+    return f"{min(values):.3f}..{max(values):.3f}" if values else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.bench.playground_bench import MODES, order, poll_fleet, table_rows
+from services.bench.playground_bench import MODES, order, poll_fleet, round_ratios, table_rows
 from services.commands.trace_cmd import add_bench
 from services.coordinator.app import create_app
 from services.coordinator.fleet import FleetView
@@ -63,7 +63,15 @@ def test_the_cli_offers_the_mode_and_the_table_quotes_the_key():
         "fleet_poll_p50_ms": 3.0,
         "fleet_poll_p99_ms": 5.0,
         "fleet_polls": 40,
+        "round_ratios": [0.97, 1.01],
+        "round_ratio_median": 0.97,
     }
     rows = {name: (ours, ref, ratio) for name, ours, ref, ratio in table_rows(result)}
     assert rows["playground_throughput_ratio (>= target)"] == (0.99, 0.98, None)
     assert rows["throughput tok/s (poller vs off)"] == (99.0, 100.0, 0.99)
+    assert rows["  per-round ratios, median"] == ("0.970..1.010", None, 0.97)
+
+
+def test_round_ratios_pair_the_modes_of_each_round():
+    rounds = [{"off": 10.0, "fleet_poller": 9.0}, {"fleet_poller": 12.0, "off": 10.0}, {"off": 0}]
+    assert round_ratios(rounds) == [0.9, 1.2]
