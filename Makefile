@@ -6,9 +6,18 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: up test lint bench install
+.PHONY: up test lint bench install browser
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# The playground's browser tests drive Debian's chromium (Playwright cannot download its own
+# browser here). Installed when missing and we are root; otherwise those tests skip and say why.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "chromium missing and not root: the playground's browser tests will skip"; fi
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +36,7 @@ $(STAMP): pyproject.toml constraints.txt
 up: $(STAMP)
 	$(VENV)/bin/splitserve up $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)

@@ -85,7 +85,7 @@ def _body(i: int, max_tokens: int) -> dict:
     }
 
 
-async def _round(
+async def closed_loop_round(
     base_url: str, requests: int, concurrency: int, max_tokens: int, first_id: int
 ) -> tuple[list[RequestTiming], float]:
     """A closed loop: `concurrency` clients, `requests` in all. Returns timings, wall s."""
@@ -164,7 +164,7 @@ def p50_delta_ci95(on: list[float], off: list[float], resamples: int = 2000) -> 
     return [percentile(deltas, 0.025), percentile(deltas, 0.975)]  # type: ignore[list-item]
 
 
-def _summary(timings: list[RequestTiming], wall_s: float) -> dict:
+def summarize_timings(timings: list[RequestTiming], wall_s: float) -> dict:
     ok = [t for t in timings if t.error is None]
     ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
     itl = [x for t in ok for x in t.itl_ms]
@@ -214,7 +214,9 @@ def run(
             )
         receiver.start()  # its own process, like a real collector: no GIL shared with us
         for n, mode in enumerate(MODES):  # first-touch costs are not what we measure
-            asyncio.run(_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n))
+            asyncio.run(
+                closed_loop_round(running[mode].base_url, concurrency, concurrency, 4, -100 * n)
+            )
         timings: dict[str, list[RequestTiming]] = {m: [] for m in MODES}
         walls = dict.fromkeys(MODES, 0.0)
         pids = {m: _pids_by_role(running[m]) for m in MODES}
@@ -223,7 +225,9 @@ def run(
         for r in range(rounds):
             for mode in _rotated(r):
                 got, wall = asyncio.run(
-                    _round(running[mode].base_url, requests, concurrency, max_tokens, r * requests)
+                    closed_loop_round(
+                        running[mode].base_url, requests, concurrency, max_tokens, r * requests
+                    )
                 )
                 timings[mode].extend(got)
                 walls[mode] += wall
@@ -235,7 +239,7 @@ def run(
         result["spans_written_file"] = len(read_span_file(trace_file)) if trace_file.exists() else 0
         result["spans_received_otlp"] = receiver.span_count()
     for mode in MODES:
-        result[mode] = _summary(timings[mode], walls[mode])
+        result[mode] = summarize_timings(timings[mode], walls[mode])
         result[mode]["unloaded_ttft_p50_ms"] = percentile(paired_ttft[mode], 0.5)
         result[mode]["cpu_ms_per_request"] = _cpu_ms_per_request(
             cpu_before[mode], cpu_after[mode], len(timings[mode])

@@ -49,6 +49,11 @@ def add_bench(kinds) -> None:
         default=150,
         help="prompts sent one at a time to every mode, for the unloaded TTFT",
     )
+    p.add_argument(
+        "--playground",
+        action="store_true",
+        help="instead: one stack with and without a fleet-view poller (1/s), tracing off",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures here")
     p.set_defaults(handler=run_overhead)
@@ -113,6 +118,9 @@ def run_overhead(args: argparse.Namespace) -> int:
     from services.bench import overhead_bench
     from services.bench.report import machine_info, print_table, save_outputs
 
+    if args.playground:
+        return run_playground_overhead(args)
+
     result = overhead_bench.run(
         weights=args.weights,
         requests=args.requests,
@@ -132,4 +140,25 @@ def run_overhead(args: argparse.Namespace) -> int:
     print(f"tracing_cpu_ratio = {result.get('tracing_cpu_ratio')}")
     print(f"tracing_ttft_p50_delta_ms_loaded = {result['tracing_ttft_p50_delta_ms_loaded']}")
     save_outputs("overhead", result, args.json, args.plot)
+    return 0
+
+
+def run_playground_overhead(args: argparse.Namespace) -> int:
+    from services.bench import playground_bench
+    from services.bench.report import machine_info, print_table, write_json
+
+    result = playground_bench.run(
+        weights=args.weights,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+    )
+    result["machine"] = machine_info()
+    print_table(
+        "splitserve bench overhead --playground (fleet view polled every second vs not)",
+        playground_bench.table_rows(result),
+    )
+    print(f"playground_throughput_ratio = {result['playground_throughput_ratio']}")
+    write_json(args.json, result)
     return 0

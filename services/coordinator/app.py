@@ -3,7 +3,8 @@
 `/v1/chat/completions`, `/v1/completions` and `/v1/models` behave as OpenAI's do (bodies,
 SSE streaming, usage, errors); `/tokenize`, `/detokenize` and `/tokenizer_info` as vLLM's
 do (for evaluation harnesses); `/health` (liveness), `/ready` (the backend can serve) and
-`/metrics` (Prometheus) are for operators and need no API key.
+`/metrics` (Prometheus) are for operators and need no API key. `/playground` is the browser
+playground (services/coordinator/playground.py), when the settings enable it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from services.coordinator.failures import error_response
 from services.coordinator.handlers import GenerationHandler
 from services.coordinator.last_resort import LastResortErrors
 from services.coordinator.metrics import APIMetrics
+from services.coordinator.model_routes import PREFIX as ROUTER_PREFIX
+from services.coordinator.playground import PlaygroundSources, add_playground
 from services.coordinator.settings import APISettings
 from services.coordinator.tokenizer_routes import add_tokenizer_routes
 from shared.telemetry.tracing import Tracing
@@ -27,9 +30,14 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(
-    backend: GenerationBackend, settings: APISettings | None = None, tracing: Tracing | None = None
+    backend: GenerationBackend,
+    settings: APISettings | None = None,
+    tracing: Tracing | None = None,
+    playground: PlaygroundSources | None = None,
 ) -> FastAPI:
-    """An app serving `backend`; the caller owns the backend's (and tracing's) lifecycle."""
+    """An app serving `backend`; the caller owns the backend's (and tracing's) lifecycle.
+    `playground`: where the playground's fleet and trace views read (default: the traces
+    `tracing` keeps, no fleet)."""
     settings = settings or APISettings()
     metrics = APIMetrics()
     if tracing is not None:
@@ -65,17 +73,23 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await handler.handle(request, "completion")
 
+    def model_cards() -> list[dict]:
+        # Saved routers are addressed like models, so clients (the playground's picker)
+        # find them where they find models.
+        cards = [_model_card(m) for m in backend.models()]
+        return cards + [_router_card(name) for name in handler.model_routes.names()]
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         keyring.authenticate(request)
-        return JSONResponse({"object": "list", "data": [_model_card(m) for m in backend.models()]})
+        return JSONResponse({"object": "list", "data": model_cards()})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> JSONResponse:
         keyring.authenticate(request)
-        for info in backend.models():
-            if info.id == model_id:
-                return JSONResponse(_model_card(info))
+        for card in model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
         raise APIError(
             404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
         )
@@ -98,7 +112,15 @@ def create_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+    if settings.playground_enabled:
+        if playground is None:
+            playground = PlaygroundSources(traces=tracing.recent if tracing else None)
+        add_playground(app, keyring, playground)
     return app
+
+
+def _router_card(name: str) -> dict:
+    return {"id": f"{ROUTER_PREFIX}{name}", "object": "model", "created": 0, "owned_by": "router"}
 
 
 def _model_card(info: ModelInfo) -> dict:

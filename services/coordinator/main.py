@@ -16,7 +16,9 @@ from pydantic import ValidationError
 from services.coordinator.app import create_app
 from services.coordinator.backend import ModelInfo
 from services.coordinator.entitlements import ApiKey
+from services.coordinator.fleet import FleetView
 from services.coordinator.grpc_backend import GrpcBackend, reap_forever
+from services.coordinator.playground import PlaygroundSources
 from services.coordinator.registry import WorkerRegistry
 from services.coordinator.registry_service import RegistryService
 from services.coordinator.settings import APISettings
@@ -119,7 +121,22 @@ def api_settings(config: DeploymentConfig) -> APISettings:
         tiers=config.tiers,
         prices=dict(config.prices),
         model_routes=dict(config.routers),
+        playground_enabled=config.playground.enabled,
     )
+
+
+def playground_sources(
+    config: DeploymentConfig, tracing: Tracing, fleet: FleetView
+) -> PlaygroundSources:
+    """The fleet from the registry; traces from memory, plus the workers' spans from the
+    trace file when every service of the deployment writes to the same one (a local stack)."""
+    tail = None
+    if tracing.recent is not None and config.telemetry.exporter == "file":
+        from shared.telemetry.recent_traces import TraceFileTail  # the SDK is loaded: tracing
+
+        tail = TraceFileTail(config.telemetry.file, tracing.recent, skip_pid=os.getpid())
+        tail.start_at_end()
+    return PlaygroundSources(fleet=fleet, traces=tracing.recent, trace_file=tail)
 
 
 async def serve_coordinator(
@@ -136,10 +153,16 @@ async def serve_coordinator(
     host = bind_host or c.host
     grpc_server.add_insecure_port(f"{host}:{c.registry_port}")
     await grpc_server.start()
-    tracing = Tracing.from_config(config.telemetry, "splitserve-coordinator")
+    playground = config.playground
+    tracing = Tracing.from_config(
+        config.telemetry,
+        "splitserve-coordinator",
+        recent_traces=playground.recent_traces if playground.enabled else 0,
+    )
     backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
     settings = api_settings(config)
-    app = create_app(backend, settings, tracing)
+    fleet = FleetView(registry, playground.fleet_refresh_s)
+    app = create_app(backend, settings, tracing, playground_sources(config, tracing, fleet))
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port or c.port, log_level="warning", lifespan="on")
     )
@@ -156,6 +179,7 @@ async def serve_coordinator(
     finally:
         reaper.cancel()
         await grpc_server.stop(grace=2.0)
+        await fleet.close()
         await backend.close()
         await asyncio.to_thread(tracing.shutdown)
 

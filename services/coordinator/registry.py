@@ -28,6 +28,7 @@ class WorkerInfo:
     load: WorkerLoad = WorkerLoad()
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
+    draining: bool = False  # it said it is stopping: no new requests, its streams finish
     in_flight: int = 0  # requests this coordinator has routed there and not yet seen end
     kv_event_seq: int = 0
     metrics_address: str = ""  # host:port of its Prometheus /metrics; "" = not reported
@@ -83,12 +84,15 @@ class WorkerRegistry:
         self.drop_kv(info.worker_id)
         self.workers[info.worker_id] = info
 
-    def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
+    def heartbeat(self, worker_id: str, load: WorkerLoad, draining: bool = False) -> bool:
         info = self.workers.get(worker_id)
         if info is None or not info.alive:
             return False
         info.load = load
         info.last_seen = time.monotonic()
+        if draining and not info.draining:
+            log.info("replica %s is draining: no new requests go there", worker_id)
+        info.draining = draining
         return True
 
     def mark_dead(self, worker_id: str, reason: str = "") -> None:
@@ -115,7 +119,7 @@ class WorkerRegistry:
     ) -> list[WorkerInfo]:
         out = []
         for w in self.workers.values():
-            if not w.alive or w.model != model:
+            if not w.alive or w.draining or w.model != model:
                 continue
             if prefill is not None and w.can_prefill != prefill and w.role != "both":
                 continue

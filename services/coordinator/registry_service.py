@@ -50,7 +50,9 @@ class RegistryService(pb_grpc.RegistryServicer):
         )
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        known = self.registry.heartbeat(request.worker_id, load_from_proto(request.load))
+        known = self.registry.heartbeat(
+            request.worker_id, load_from_proto(request.load), draining=request.draining
+        )
         if not known:
             return pb.HeartbeatResponse(known=False)
         # Events lost in flight (a gap, or the worker published past what we applied): the

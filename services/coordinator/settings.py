@@ -27,6 +27,7 @@ class APISettings:
     tiers: TiersConfig = TiersConfig()
     prices: dict[str, Price] = field(default_factory=default_prices)
     model_routes: dict[str, ModelRoute] = field(default_factory=dict)
+    playground_enabled: bool = True  # serve /playground and its fleet and trace views
 
     @property
     def keyring(self) -> KeyRing:

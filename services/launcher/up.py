@@ -41,6 +41,8 @@ def run_up(
         with stack:
             models = ", ".join(m.id for m in stack.config.models)
             print(f"splitserve is ready: {stack.base_url} (model: {models})", file=out, flush=True)
+            if stack.config.playground.enabled:
+                print(f"playground: {stack.url}/playground/", file=err, flush=True)
             print(f"logs: {stack.run_dir}", file=err, flush=True)
             return _serve_until_stopped(stack, stop, err)
 

@@ -91,18 +91,21 @@ class RegistryClient:
             return
         raise RegistrationRefused("the coordinator's registry never answered")
 
+    def _heartbeat_request(self, draining: bool = False) -> pb.HeartbeatRequest:
+        return pb.HeartbeatRequest(
+            worker_id=self.runtime.worker_id,
+            load=load_proto(self.runtime),
+            kv_event_seq=self._last_seq,
+            draining=draining,
+        )
+
     async def heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.publish_pending()
             try:
                 resp = await self._stub.Heartbeat(
-                    pb.HeartbeatRequest(
-                        worker_id=self.runtime.worker_id,
-                        load=load_proto(self.runtime),
-                        kv_event_seq=self._last_seq,
-                    ),
-                    timeout=max(1.0, self.interval_s),
+                    self._heartbeat_request(), timeout=max(1.0, self.interval_s)
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("heartbeat failed: %s", exc.details())
@@ -111,6 +114,14 @@ class RegistryClient:
                 await self.register()
             elif resp.resync_from_seq:
                 await self.publish_snapshot()
+
+    async def announce_draining(self) -> None:
+        """Tell the coordinator we are stopping, so that it routes nothing new here while
+        the streams we run finish (and the fleet view shows us draining, not dead)."""
+        try:
+            await self._stub.Heartbeat(self._heartbeat_request(draining=True), timeout=1.0)
+        except grpc.aio.AioRpcError as exc:  # the coordinator may be stopping too
+            log.info("could not announce draining: %s", exc.details())
 
     def _drain(self) -> list[KVEvent]:
         events = []

@@ -94,6 +94,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "aborted": rt.engine.num_aborted,
             "load": asdict(rt.engine.load()),
             "prefix_cache": vars(blocks.stats),
+            "kv_tiers": rt.engine.kv_tiers(),
             "parked_kv": rt.arrivals.num_parked,
             "kv_receiving": rt.arrivals.count(Stage.RECEIVING),
             "speculative": rt.engine.spec_stats(),
@@ -142,6 +143,8 @@ async def serve_worker(
     finally:
         for t in tasks:
             t.cancel()
+        if tasks:  # registered: the coordinator should stop routing here first
+            await registry.announce_draining()
         # Drain: stop taking new calls, give in-flight streams a moment to finish.
         await server.stop(grace=DRAIN_GRACE_S)
         if control is not None:

@@ -128,6 +128,19 @@ class TelemetryConfig(_Strict):
     )
 
 
+class PlaygroundConfig(_Strict):
+    """The browser playground the coordinator serves at /playground (static files; every
+    call it makes goes through the authenticated API)."""
+
+    enabled: bool = Field(True, description="serve /playground and its fleet/trace JSON")
+    recent_traces: int = Field(
+        200, ge=1, description="finished traces kept in memory for its waterfall (oldest go)"
+    )
+    fleet_refresh_s: float = Field(
+        1.0, gt=0, description="a fleet snapshot is reused this long, however many tabs poll"
+    )
+
+
 class DeploymentConfig(_Strict):
     block_size: int = Field(
         defaults.BLOCK_SIZE, description="tokens per KV block; router and workers must agree"
@@ -142,6 +155,7 @@ class DeploymentConfig(_Strict):
     prices: Prices = Field(default_factory=dict, validate_default=True)
     routers: ModelRoutesConfig = Field(default_factory=dict)
     router: RouterConfig = RouterConfig()
+    playground: PlaygroundConfig = PlaygroundConfig()
 
     @field_validator("block_size")
     @classmethod

@@ -270,6 +270,29 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def kv_tiers(self) -> dict[str, dict[str, int]]:
+        """Blocks held and slots in each KV tier (device, host, disk): what the fleet view
+        shows; a tier the engine runs without is left out."""
+        blocks = self.blocks
+        tiers = {
+            "device": {
+                "used_blocks": blocks.num_blocks - blocks.num_available_blocks,
+                "capacity_blocks": blocks.num_blocks,
+            }
+        }
+        host = blocks.host_kv_tier
+        if host is not None:
+            tiers["host"] = {
+                "used_blocks": host.num_blocks + host.num_reserved_slots,
+                "capacity_blocks": host.capacity_blocks,
+            }
+            if host.disk is not None:
+                tiers["disk"] = {
+                    "used_blocks": host.disk.num_blocks,
+                    "capacity_blocks": host.disk.capacity_blocks,
+                }
+        return tiers
+
     def spec_stats(self) -> dict:
         """Speculative decoding: acceptance per method, histogram, and why a draft is off."""
         return self.speculator.stats.as_dict()

@@ -251,14 +251,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load", "kv_event_seq")
+    __slots__ = ("worker_id", "load", "kv_event_seq", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: WorkerLoad
     kv_event_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_event_seq: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_event_seq: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "resync_from_seq")

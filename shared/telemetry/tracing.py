@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from shared.telemetry.processor import BoundedSpanProcessor
+    from shared.telemetry.recent_traces import RecentTraces
 
 # The OpenTelemetry SDK (and the exporters) are imported only by a process that traces: with
 # tracing off (the default) the API's no-op tracer is all a service needs, and the SDK's
@@ -37,6 +38,7 @@ class Tracing:
     capture_content: bool = False
     provider: TracerProvider | None = None
     processor: BoundedSpanProcessor | None = None
+    recent: RecentTraces | None = None  # the last finished traces, kept in memory
 
     @property
     def enabled(self) -> bool:
@@ -48,8 +50,13 @@ class Tracing:
 
     @classmethod
     def from_config(
-        cls, config: TelemetryConfig, service: str, instance: str | None = None
+        cls,
+        config: TelemetryConfig,
+        service: str,
+        instance: str | None = None,
+        recent_traces: int = 0,
     ) -> Tracing:
+        """`recent_traces` > 0 also keeps that many finished traces in memory."""
         if config.exporter == "none":
             return cls.disabled()
         return cls.with_exporter(
@@ -59,6 +66,7 @@ class Tracing:
             sampling_ratio=config.sampling_ratio,
             capture_content=config.capture_content,
             max_queue_size=config.export_queue_size,
+            recent_traces=recent_traces,
         )
 
     @classmethod
@@ -71,6 +79,7 @@ class Tracing:
         sampling_ratio: float = 1.0,
         capture_content: bool = False,
         max_queue_size: int = 2048,
+        recent_traces: int = 0,
     ) -> Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -89,7 +98,15 @@ class Tracing:
         )
         processor = BoundedSpanProcessor(exporter, max_queue_size=max_queue_size)
         provider.add_span_processor(processor)
-        return cls(provider.get_tracer(INSTRUMENTATION_NAME), capture_content, provider, processor)
+        recent = None
+        if recent_traces:
+            from shared.telemetry.recent_traces import RecentTraces
+
+            # Sampled or not: the playground shows the trace of the turn just made.
+            recent = RecentTraces(recent_traces)
+            provider.add_span_processor(recent)
+        tracer = provider.get_tracer(INSTRUMENTATION_NAME)
+        return cls(tracer, capture_content, provider, processor, recent)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Expose the span export counters (drops included) on `registry`."""

@@ -127,6 +127,13 @@ def test_policy_sections_reach_the_config():
     assert config.prices["priority"].output == 1.2
     assert config.prices["batch"].output > 0  # tiers left out keep the built-in prices
     assert [v.name for v in config.routers["chat"].variants] == ["control", "candidate"]
+    assert config.playground.enabled and config.playground.recent_traces == 50
     # Keys with entitlements come as a YAML file, not the one-key-per-line file.
     assert config.api_keys.file == "/etc/splitserve-secrets/api-keys"
     assert config.coordinator.api_keys_file is None
+
+
+def test_the_playground_is_off_unless_the_values_turn_it_on():
+    # On by default for `splitserve up`, off in a cluster: the chart says so explicitly.
+    config = parse_config(yaml.safe_load(render("default").config_yaml()))
+    assert config.playground.enabled is False

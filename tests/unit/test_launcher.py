@@ -441,6 +441,7 @@ def test_up_announces_the_stack_and_stops_cleanly_on_sigterm(
     assert leftover_children() == []
     (run_dir,) = tmp_path.glob(f"splitserve-{os.getpid()}-*")
     assert f"logs: {run_dir}" in err.getvalue()
+    assert re.search(r"playground: http://127\.0\.0\.1:\d+/playground/\n", err.getvalue())
     assert not (run_dir / "config.yaml").exists() and (run_dir / "decode-0.log").is_file()
     assert signal.getsignal(signal.SIGTERM) is handler_before  # the handler was put back
 

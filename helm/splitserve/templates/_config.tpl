@@ -49,7 +49,7 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
 {{- $_ := set $coordinator "api_keys_file" "/etc/splitserve-secrets/api-keys" -}}
 {{- end -}}
 {{- end -}}
-{{- range $key := list "telemetry" "router" "tiers" "prices" "routers" -}}
+{{- range $key := list "telemetry" "router" "tiers" "prices" "routers" "playground" -}}
 {{- with get $root.Values.config $key }}{{ $_ := set $config $key . }}{{ end -}}
 {{- end -}}
 {{- toYaml $config -}}
