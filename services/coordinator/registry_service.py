@@ -35,6 +35,7 @@ class RegistryService(pb_grpc.RegistryServicer):
                 load=load_from_proto(request.load),
                 metrics_address=request.metrics_address,
                 tokenizer_fingerprint=request.tokenizer_fingerprint,
+                replica=request.replica,
             )
         )
         log.info(
@@ -50,7 +51,9 @@ class RegistryService(pb_grpc.RegistryServicer):
         )
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        known = self.registry.heartbeat(request.worker_id, load_from_proto(request.load))
+        known = self.registry.heartbeat(
+            request.worker_id, load_from_proto(request.load), draining=request.draining
+        )
         if not known:
             return pb.HeartbeatResponse(known=False)
         # Events lost in flight (a gap, or the worker published past what we applied): the

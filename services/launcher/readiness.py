@@ -7,6 +7,9 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from services.launcher.processes import ProcessGroup
 
 # Readiness is probed on loopback; an HTTP(S)_PROXY in the environment must not intercept it.
@@ -34,6 +37,29 @@ def probe(url: str, timeout_s: float = 1.0) -> tuple[bool, str]:
         return False, f"no answer ({reason})"
 
 
+def health_probe(address: str, timeout_s: float = 1.0) -> tuple[bool, str]:
+    """(serving, status) of the grpc.health.v1 service at `address` (a worker)."""
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            return False, f"no answer ({exc.code().name})"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING, f"health {status}"
+
+
+def services_ready(group: ProcessGroup) -> tuple[bool, str]:
+    """Whether every service with a readiness check passes it; the first that does not."""
+    for proc in group.processes.values():
+        if proc.spec.ready is not None:
+            ready, answer = proc.spec.ready()
+            if not ready:
+                return False, f"{proc.name}: {answer}"
+    return True, "every service is ready"
+
+
 def wait_until_ready(
     url: str,
     group: ProcessGroup,
@@ -42,7 +68,8 @@ def wait_until_ready(
     cancel: threading.Event | None = None,
     interval_s: float = 0.2,
 ) -> None:
-    """Return once `url` answers 200.
+    """Return once `url` answers 200 and every service passes its own readiness check (the
+    coordinator may be ready with one worker of several: startup waits for all of them).
 
     Raises ServiceDied as soon as any child exits, StartupCancelled when `cancel` is set and
     StartupTimeout after `timeout_s` seconds.
@@ -55,7 +82,9 @@ def wait_until_ready(
         group.check_alive()
         ready, last = probe(url, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
         if ready:
-            return
+            ready, last = services_ready(group)
+            if ready:
+                return
         if time.monotonic() >= deadline:
             raise StartupTimeout(f"{url} was not ready after {timeout_s:g} s; last answer: {last}")
         if cancel is not None:

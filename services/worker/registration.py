@@ -52,6 +52,7 @@ class RegistryClient:
         self._stub = pb_grpc.RegistryStub(self._channel)
         self.interval_s = runtime.config.coordinator.heartbeat_interval_s
         self._last_seq = 0
+        self.draining = False  # reported with every heartbeat once set
 
     def _register_request(self) -> pb.RegisterRequest:
         rt = self.runtime
@@ -71,6 +72,7 @@ class RegistryClient:
             transfer_agent=agent_name.encode(),
             weights=rt.model_cfg.weights,
             metrics_address=self.metrics_address,
+            replica=rt.replica,
         )
 
     async def register(self, attempts: int = 600) -> None:
@@ -95,22 +97,34 @@ class RegistryClient:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.publish_pending()
-            try:
-                resp = await self._stub.Heartbeat(
-                    pb.HeartbeatRequest(
-                        worker_id=self.runtime.worker_id,
-                        load=load_proto(self.runtime),
-                        kv_event_seq=self._last_seq,
-                    ),
-                    timeout=max(1.0, self.interval_s),
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.warning("heartbeat failed: %s", exc.details())
+            resp = await self.heartbeat()
+            if resp is None:
                 continue
             if not resp.known:
                 await self.register()
             elif resp.resync_from_seq:
                 await self.publish_snapshot()
+
+    async def heartbeat(self) -> pb.HeartbeatResponse | None:
+        """One heartbeat now; None when the coordinator did not answer."""
+        try:
+            return await self._stub.Heartbeat(
+                pb.HeartbeatRequest(
+                    worker_id=self.runtime.worker_id,
+                    load=load_proto(self.runtime),
+                    kv_event_seq=self._last_seq,
+                    draining=self.draining,
+                ),
+                timeout=max(1.0, self.interval_s),
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("heartbeat failed: %s", exc.details())
+            return None
+
+    async def announce_draining(self) -> None:
+        """Tell the coordinator at once (not at the next beat) to route nothing new here."""
+        self.draining = True
+        await self.heartbeat()
 
     def _drain(self) -> list[KVEvent]:
         events = []
