@@ -31,9 +31,8 @@ from shared.telemetry.worker_telemetry import WorkerTelemetry
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0005
 
-# On SIGTERM running streams get this long to finish (the chart's termination grace, minus
-# its preStop pause, is longer); whatever is still open after the drain gets DRAIN_TAIL_S.
-DRAIN_GRACE_S = 30.0
+# On SIGTERM running streams get `worker_drain_grace_s` to finish; whatever is still open
+# after the drain (a stream's last message on its way out) gets DRAIN_TAIL_S.
 DRAIN_TAIL_S = 2.0
 
 
@@ -165,7 +164,7 @@ async def serve_worker(
         # Heartbeats go on while draining: the coordinator keeps the replica (its streams
         # are still running) but routes nothing new to it.
         await health.draining()
-        await drain(servicer, registry, DRAIN_GRACE_S)
+        await drain(servicer, registry, config.worker_drain_grace_s)
     finally:
         for t in tasks:
             t.cancel()
