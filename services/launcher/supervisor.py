@@ -160,16 +160,17 @@ class Supervisor:
 
     def _restart(self, proc: ServiceProcess, watch: _Watch, now: float) -> None:
         spec = proc.spec.renew() if proc.spec.renew is not None else proc.spec
-        watch.restarts += 1
-        watch.restart_at = None
-        watch.started_at = now
         returncode = proc.returncode
         assert returncode is not None
         header = (
-            f"--- splitserve: restart {watch.restarts} of {proc.name} "
+            f"--- splitserve: restart {watch.restarts + 1} of {proc.name} "
             f"(the last start exited with {describe_exit(returncode)}) ---"
         )
         self.group.restart(spec, header)
+        # Counted once the new process is in the group: whoever sees the count sees it.
+        watch.restarts += 1
+        watch.restart_at = None
+        watch.started_at = now
 
     def _give_up(self, failure: SupervisionFailure) -> None:
         self.failure = failure

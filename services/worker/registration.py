@@ -18,6 +18,7 @@ from services.worker.runtime import WorkerRuntime
 from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.rpc.channels import RECONNECT_OPTIONS
 from shared.wire.convert import kv_event_to_proto, load_to_proto
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class RegistryClient:
         self.runtime = runtime
         self.worker_address = worker_address
         self.metrics_address = metrics_address
-        self._channel = grpc.aio.insecure_channel(registry_address)
+        # The coordinator may restart: re-register within a second of it being back.
+        self._channel = grpc.aio.insecure_channel(registry_address, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self.interval_s = runtime.config.coordinator.heartbeat_interval_s
         self._last_seq = 0

@@ -135,7 +135,7 @@ class WorkerRuntime:
         self.transfer: TransferBackend = create_transfer_backend(
             self.transfer_kind, self.worker_id, **options
         )
-        self.transfer.register_pool(pool)
+        self.transfer.register_pool(pool, replica=self.replica)
         self.arrivals = KVArrivals(self.free_blocks)
         self.cancelled = CancelledRequests()
         self.faults = worker.fault_injection
