@@ -19,7 +19,7 @@ import services
 from services.launcher.ports import pick_free_ports, resolve_ports
 from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
 from services.launcher.readiness import health_probe, probe, wait_until_ready
-from services.launcher.supervisor import SupervisionFailure, Supervisor
+from services.launcher.supervisor import ServiceGaveUp, Supervisor
 from shared.config.roles import WORKER_ROLES, WorkerRole
 from shared.config.schema import DeploymentConfig, dump_config
 
@@ -180,13 +180,13 @@ class LocalStack:
         return self.group.processes
 
     @property
-    def failure(self) -> SupervisionFailure | None:
+    def failure(self) -> ServiceGaveUp | None:
         """Why the supervisor gave up on a service; None while it keeps the stack serving."""
         return self.supervisor.failure if self.supervisor is not None else None
 
-    def supervise(self) -> None:
+    def supervise(self, started: bool = True) -> None:
         """From now on a service that dies is restarted (see services/launcher/supervisor)."""
-        self.supervisor = Supervisor(self.group).start()
+        self.supervisor = Supervisor(self.group, started=started).start()
 
     def check_alive(self) -> None:
         """Raise ServiceDied if a service is gone for good: one the supervisor gave up on,
@@ -194,7 +194,7 @@ class LocalStack:
         if self.supervisor is None:
             self.group.check_alive()
         elif self.failure is not None:
-            raise self.failure.died
+            raise self.failure
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM workers, then the coordinator; SIGKILL what is left after `grace_s`."""
@@ -231,8 +231,10 @@ def start_local_stack(
 
     Logs go to `<run_dir>/<service>.log` (and to `echo`, prefixed, if given). If a service
     exits first, the timeout passes, or `cancel` is set, everything is stopped and
-    ServiceDied / StartupTimeout / StartupCancelled is raised. Once started, a service that
-    dies is restarted (`supervise=False`: it stays dead, for tests that need it gone).
+    ServiceDied / StartupTimeout / StartupCancelled is raised. Supervised (the default), a
+    service that dies is restarted, while starting too: ServiceDied then means one that keeps
+    failing to start or refused to (ServiceGaveUp); `supervise=False`: any exit is final, for
+    tests that need a killed worker to stay gone.
     """
     resolved = resolve_config(config)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
@@ -243,9 +245,11 @@ def start_local_stack(
     try:
         for spec in service_specs(resolved, config_path):
             stack.group.start(spec)
-        wait_until_ready(stack.ready_url, stack.group, startup_timeout_s, cancel=cancel)
-        if supervise:
-            stack.supervise()
+        if supervise:  # from the first start: a crash while starting is retried too
+            stack.supervise(started=False)
+        wait_until_ready(
+            stack.ready_url, stack.group, startup_timeout_s, cancel=cancel, check=stack.check_alive
+        )
     except BaseException:
         stack.stop()
         raise

@@ -32,17 +32,16 @@ REFUSALS = {
 }
 
 
-@dataclass(frozen=True)
-class SupervisionFailure:
-    """Why the supervisor stopped restarting: `verdict` completes "<name> …"."""
+class ServiceGaveUp(ServiceDied):
+    """A service the supervisor will not start again; `verdict` completes "<name> …"."""
 
-    verdict: str
-    died: ServiceDied
+    def __init__(self, died: ServiceDied, verdict: str):
+        super().__init__(died.name, died.returncode, died.log_path, died.log_tail)
+        self.verdict = verdict
 
     @property
     def message(self) -> str:
-        rest = str(self.died).removeprefix(f"{self.died.name} ")
-        return f"{self.died.name} {self.verdict}: {rest}"
+        return f"{self.name} {self.verdict}: {str(self).removeprefix(f'{self.name} ')}"
 
 
 @dataclass
@@ -70,13 +69,14 @@ class Supervisor:
     stack calls after the group has stopped.
     """
 
-    def __init__(self, group: ProcessGroup, poll_s: float = 0.2):
+    def __init__(self, group: ProcessGroup, poll_s: float = 0.2, *, started: bool = True):
+        """`started`: every process of `group` already serves (False: they are starting, and
+        a death before one is ready counts as a failed start)."""
         self.group = group
         self.poll_s = poll_s
         now = time.monotonic()
-        # Everything passed startup before supervision begins.
-        self._watch = {name: _Watch(now, ready=True) for name in group.processes}
-        self.failure: SupervisionFailure | None = None
+        self._watch = {name: _Watch(now, ready=started) for name in group.processes}
+        self.failure: ServiceGaveUp | None = None
         self.failed = threading.Event()
         self._halt = threading.Event()
         self._release = threading.Event()
@@ -122,7 +122,8 @@ class Supervisor:
             if not watch.ready and self._started(proc, watch, now):
                 watch.ready = True
                 watch.failed_starts = 0
-                self.group.announce(f"splitserve: {proc.name} is serving again")
+                if watch.restarts:
+                    self.group.announce(f"splitserve: {proc.name} is serving again")
             return
         if watch.restart_at is None:
             self._died(proc, watch, now)
@@ -139,15 +140,13 @@ class Supervisor:
         assert returncode is not None
         died = ServiceDied(proc.name, returncode, proc.log_path, proc.log_tail())
         if returncode in REFUSALS:
-            self._give_up(
-                SupervisionFailure(f"stopped unexpectedly ({REFUSALS[returncode]})", died)
-            )
+            self._give_up(ServiceGaveUp(died, f"stopped unexpectedly ({REFUSALS[returncode]})"))
             return
         if not watch.ready:
             watch.failed_starts += 1
         if watch.failed_starts >= MAX_FAILED_STARTS:
             verdict = f"keeps failing to start ({watch.failed_starts} starts in a row died)"
-            self._give_up(SupervisionFailure(verdict, died))
+            self._give_up(ServiceGaveUp(died, verdict))
             return
         watch.deaths.append(now)
         delay = watch.backoff_s(now)
@@ -172,6 +171,6 @@ class Supervisor:
         watch.restart_at = None
         watch.started_at = now
 
-    def _give_up(self, failure: SupervisionFailure) -> None:
+    def _give_up(self, failure: ServiceGaveUp) -> None:
         self.failure = failure
         self.failed.set()

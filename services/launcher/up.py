@@ -16,6 +16,7 @@ from typing import TextIO
 from services.launcher.processes import ServiceDied
 from services.launcher.readiness import StartupCancelled, StartupTimeout
 from services.launcher.stack import LocalStack, start_local_stack
+from services.launcher.supervisor import ServiceGaveUp
 from shared.config.schema import DeploymentConfig
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -38,6 +39,8 @@ def run_up(
             stack = start_local_stack(config, startup_timeout_s, echo=err, cancel=stop)
         except StartupCancelled:
             return 0
+        except ServiceGaveUp as exc:
+            return _error(err, f"{exc.message} (before splitserve was ready)")
         except ServiceDied as exc:
             return _error(err, f"{exc.name} exited before splitserve was ready: {_rest(exc)}")
         except StartupTimeout as exc:

@@ -324,6 +324,27 @@ def test_start_local_stack_stops_everything_when_a_service_dies(
     assert leftover_children() == []  # the coordinator went too
 
 
+def test_a_service_crashing_while_the_stack_starts_is_restarted(monkeypatch, children, tmp_path):
+    marker = tmp_path / "terminated.txt"
+    sleeper = ServiceSpec("decode-0", [PY, children["sleeper"], str(marker), "decode-0"])
+
+    def test_specs(config, config_path):
+        server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
+        return [
+            ServiceSpec("coordinator", server, stop_last=True),
+            # Its first start crashes (code 1: nothing that a restart cannot fix).
+            ServiceSpec("decode-0", [PY, "-c", "raise SystemExit(1)"], renew=lambda: sleeper),
+        ]
+
+    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
+    with start_local_stack(config, startup_timeout_s=20, run_dir=tmp_path / "run") as stack:
+        assert stack.supervisor.restarts("decode-0") == 1
+        assert stack.processes["decode-0"].alive
+        stack.check_alive()
+    assert (tmp_path / "run" / "decode-0.log").read_text().startswith("--- splitserve: restart 1")
+
+
 def test_resolve_config_picks_distinct_ports_and_shares_cores():
     config = parse_config(
         {

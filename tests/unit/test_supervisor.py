@@ -111,8 +111,8 @@ def test_given_up_on_with_the_reason_and_the_log(watched, child, exit_code, rest
     assert supervisor.failed.wait(30)
     assert supervisor.restarts("decode-0") == restarts
     failure = supervisor.failure
-    assert failure.verdict == verdict and failure.died.returncode == exit_code
+    assert failure.verdict == verdict and failure.returncode == exit_code
     assert failure.message.startswith(f"decode-0 {verdict}: exited with code {exit_code}")
-    assert "test child failing" in failure.died.log_tail
+    assert "test child failing" in failure.log_tail
     time.sleep(0.3)
     assert not watched.group.processes["decode-0"].alive  # given up: not started again
