@@ -326,14 +326,18 @@ def test_start_local_stack_stops_everything_when_a_service_dies(
 
 def test_a_service_crashing_while_the_stack_starts_is_restarted(monkeypatch, children, tmp_path):
     marker = tmp_path / "terminated.txt"
-    sleeper = ServiceSpec("decode-0", [PY, children["sleeper"], str(marker), "decode-0"])
+    argv = [PY, children["sleeper"], str(marker), "decode-0"]
+    sleeper = ServiceSpec("decode-0", argv, ready=lambda: (True, "sleeping"))
 
     def test_specs(config, config_path):
         server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
+        crash = [PY, "-c", "raise SystemExit(1)"]  # code 1: nothing a restart cannot fix
         return [
             ServiceSpec("coordinator", server, stop_last=True),
-            # Its first start crashes (code 1: nothing that a restart cannot fix).
-            ServiceSpec("decode-0", [PY, "-c", "raise SystemExit(1)"], renew=lambda: sleeper),
+            # Its first start never gets ready: it crashes.
+            ServiceSpec(
+                "decode-0", crash, ready=lambda: (False, "starting"), renew=lambda: sleeper
+            ),
         ]
 
     monkeypatch.setattr(stack_module, "service_specs", test_specs)
