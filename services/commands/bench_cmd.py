@@ -89,6 +89,7 @@ def add_command(sub) -> None:
 
 # Benchmarks that live with their subsystem; each module has add_bench(kinds).
 _BENCH_MODULES = [
+    "services.commands.chaos_cmd",
     "services.commands.kernels_cmd",
     "services.commands.router_cmd",
     "services.commands.spec_cmd",

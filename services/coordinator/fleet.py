@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import grpc
 
+from services.coordinator.fleet_readiness import fleet_readiness
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
@@ -70,14 +71,14 @@ class FleetView:
             models.append(
                 {
                     "id": m.id,
-                    "expected_workers": registry.expected_count(m.id),
+                    "expected_workers": m.pools.prefill + m.pools.decode + m.pools.both,
                     "serving_workers": sum(r["state"] == "serving" for r in mine),
                     "workers": mine,
                 }
             )
         return {
             "time": time.time(),
-            "ready": registry.is_ready(),
+            "ready": fleet_readiness(registry)["ready"],
             "heartbeat_interval_s": interval,
             "refresh_s": self.refresh_s,
             "models": models,

@@ -25,6 +25,7 @@ from services.coordinator.backend import (
     GenerationRequest,
     ModelInfo,
 )
+from services.coordinator.fleet_readiness import fleet_readiness
 from services.coordinator.pair_attempt import PairAttempt
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
@@ -65,12 +66,14 @@ class GrpcBackend:
                 "role": w.role,
                 "model": w.model,
                 "alive": w.alive,
+                "draining": w.draining,
+                "replica": w.replica,
                 "address": w.address,
                 "metrics_address": w.metrics_address,
             }
             for w in self.registry.workers.values()
         }
-        return {"ready": self.registry.is_ready(), "workers": workers}
+        return {**fleet_readiness(self.registry), "workers": workers}
 
     def _stub(self, worker: WorkerInfo, kind: Callable[[grpc.aio.Channel], S]) -> S:
         return self._channels.stub(worker.address, kind)

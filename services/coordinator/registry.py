@@ -28,11 +28,18 @@ class WorkerInfo:
     load: WorkerLoad = WorkerLoad()
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
-    draining: bool = False  # it said it is stopping: no new requests, its streams finish
     in_flight: int = 0  # requests this coordinator has routed there and not yet seen end
     kv_event_seq: int = 0
     metrics_address: str = ""  # host:port of its Prometheus /metrics; "" = not reported
     tokenizer_fingerprint: str = ""  # salts its block hashes; the router hashes prompts alike
+    # The replica's name across restarts; worker_id names one process of it. "" = unnamed.
+    replica: str = ""
+    draining: bool = False  # shutting down: its running streams finish, nothing new comes
+
+    @property
+    def routable(self) -> bool:
+        """May take new requests."""
+        return self.alive and not self.draining
 
     @property
     def can_prefill(self) -> bool:
@@ -81,18 +88,43 @@ class WorkerRegistry:
             raise RegistrationError(f"unknown role '{role}'")
 
     def register(self, info: WorkerInfo) -> None:
+        """Add a replica; an earlier process of the same replica (a restart, maybe at a new
+        address) is replaced, so it never stays beside the new one as a ghost."""
+        for old in self.previous_processes(info):
+            log.warning(
+                "replica %s restarted: %s (at %s) replaces %s (at %s)",
+                info.replica,
+                info.worker_id,
+                info.address,
+                old.worker_id,
+                old.address,
+            )
+            self.remove(old.worker_id)
         self.drop_kv(info.worker_id)
         self.workers[info.worker_id] = info
+
+    def previous_processes(self, info: WorkerInfo) -> list[WorkerInfo]:
+        if not info.replica:
+            return []
+        return [
+            w
+            for w in self.workers.values()
+            if w.replica == info.replica and w.model == info.model and w.worker_id != info.worker_id
+        ]
+
+    def remove(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self.drop_kv(worker_id)
 
     def heartbeat(self, worker_id: str, load: WorkerLoad, draining: bool = False) -> bool:
         info = self.workers.get(worker_id)
         if info is None or not info.alive:
             return False
-        info.load = load
-        info.last_seen = time.monotonic()
         if draining and not info.draining:
             log.info("replica %s is draining: no new requests go there", worker_id)
         info.draining = draining
+        info.load = load
+        info.last_seen = time.monotonic()
         return True
 
     def mark_dead(self, worker_id: str, reason: str = "") -> None:
@@ -114,26 +146,9 @@ class WorkerRegistry:
             self.mark_dead(worker_id, "missed heartbeats")
         return dead
 
-    def alive(
-        self, model: str, *, prefill: bool | None = None, decode: bool | None = None
-    ) -> list[WorkerInfo]:
-        out = []
-        for w in self.workers.values():
-            if not w.alive or w.draining or w.model != model:
-                continue
-            if prefill is not None and w.can_prefill != prefill and w.role != "both":
-                continue
-            if decode is not None and w.can_decode != decode and w.role != "both":
-                continue
-            out.append(w)
-        return out
-
-    def expected_count(self, model: str) -> int:
-        p = self.config.model(model).pools
-        return p.prefill + p.decode + p.both
-
-    def is_ready(self) -> bool:
-        return all(len(self.alive(m.id)) >= self.expected_count(m.id) for m in self.config.models)
+    def routable(self, model: str) -> list[WorkerInfo]:
+        """The replicas of `model` that may take new requests."""
+        return [w for w in self.workers.values() if w.routable and w.model == model]
 
     # -- KV index ------------------------------------------------------------------------
 

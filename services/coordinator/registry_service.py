@@ -35,6 +35,7 @@ class RegistryService(pb_grpc.RegistryServicer):
                 load=load_from_proto(request.load),
                 metrics_address=request.metrics_address,
                 tokenizer_fingerprint=request.tokenizer_fingerprint,
+                replica=request.replica,
             )
         )
         log.info(

@@ -28,7 +28,7 @@ def replica_state(w: WorkerInfo, excluded: bool = False) -> ReplicaState:
         replica_id=w.worker_id,
         role=w.role,  # type: ignore[arg-type]  # checked at registration
         model=w.model,
-        alive=w.alive and not excluded,
+        alive=w.routable and not excluded,
         in_flight=w.in_flight,
         load=w.load,
     )

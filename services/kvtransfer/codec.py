@@ -51,6 +51,7 @@ def metadata_to_proto(md: AgentMetadata) -> pb.AgentMetadata:
         layout=layout_to_proto(md.layout),
         num_blocks=md.num_blocks,
         payload=md.payload,
+        replica=md.replica,
     )
 
 
@@ -61,6 +62,7 @@ def metadata_from_proto(msg: pb.AgentMetadata) -> AgentMetadata:
         layout=layout_from_proto(msg.layout),
         num_blocks=msg.num_blocks,
         payload=msg.payload,
+        replica=msg.replica,
     )
 
 

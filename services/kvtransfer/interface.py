@@ -78,7 +78,8 @@ class TransferBackend(ABC):
             raise TransferError(f"{self.name} agent {self.agent_name!r} has no pool registered")
         return self._metadata
 
-    def register_pool(self, pool: KVPool) -> AgentMetadata:
+    def register_pool(self, pool: KVPool, *, replica: str = "") -> AgentMetadata:
+        """Make `pool` reachable; peers learn it (as `replica`, if named) from the metadata."""
         if self._pool is not None:
             raise TransferError(f"agent {self.agent_name!r} already has a pool registered")
         if not pool.tensor.is_contiguous():
@@ -91,6 +92,7 @@ class TransferBackend(ABC):
             layout=pool.layout,
             num_blocks=pool.num_blocks,
             payload=payload,
+            replica=replica,
         )
         return self._metadata
 
@@ -109,13 +111,28 @@ class TransferBackend(ABC):
             raise TransferError(mismatch)
         with self._lock:
             known = self._peers.get(name)
+            earlier = [
+                n
+                for n, md in self._peers.items()
+                if metadata.replica and md.replica == metadata.replica and n != name
+            ]
         if known == metadata:
             return
+        # A restarted replica: what was kept about its earlier process (a mapping of its
+        # pool, its address) is stale. Transfers still running hold their own references.
+        for old in earlier:
+            log.info("kvtransfer peer %r replaces %r (replica %s)", name, old, metadata.replica)
+            self.remove_peer(old)
         if known is not None:
             self.remove_peer(name)
         self._add_peer(name, metadata)
         with self._lock:
             self._peers[name] = metadata
+
+    @property
+    def peer_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
 
     def remove_peer(self, name: str) -> None:
         with self._lock:

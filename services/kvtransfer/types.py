@@ -67,6 +67,9 @@ class AgentMetadata:
     # Backend-specific reachability: a TCP address, a shared-memory segment and socket,
     # or NIXL's own serialized agent metadata.
     payload: bytes
+    # The replica this agent serves, stable across its restarts ("" = unnamed): an agent
+    # of the same replica under a new name is its next process, and replaces it at peers.
+    replica: str = ""
 
 
 @dataclass(frozen=True)

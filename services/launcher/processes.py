@@ -23,6 +23,10 @@ _PR_SET_PDEATHSIG = 1
 _TAIL_BYTES = 16 * 1024
 
 
+# (ready, what the service answered), e.g. (False, "health NOT_SERVING").
+ReadyCheck = Callable[[], tuple[bool, str]]
+
+
 @dataclass(frozen=True)
 class ServiceSpec:
     """What to run for one service. `env` is added on top of the launcher's environment."""
@@ -33,6 +37,11 @@ class ServiceSpec:
     # Stopped in a second wave, after everything else has exited (the coordinator: workers
     # deregister from it while shutting down).
     stop_last: bool = False
+    # Whether this start of the service serves yet; None: running counts as ready.
+    ready: ReadyCheck | None = None
+    # The spec of the next start after this one died (a worker takes a fresh port); None:
+    # the same spec again.
+    renew: Callable[[], ServiceSpec] | None = None
 
 
 class ServiceDied(RuntimeError):
@@ -68,12 +77,17 @@ class ServiceProcess:
         echo: TextIO | None,
         echo_lock: threading.Lock,
         preexec: Callable[[], None] | None,
+        header: str = "",
     ):
         self.spec = spec
         self.log_path = log_path
         self._echo = echo
         self._echo_lock = echo_lock
-        self._log = open(log_path, "wb")  # closed by the reader thread
+        # Appended to: a restarted service's log keeps what its earlier starts wrote.
+        self._log = open(log_path, "ab")  # closed by the reader thread
+        if header:
+            self._log.write(f"{header}\n".encode())
+            self._log.flush()
         try:
             self._popen = subprocess.Popen(
                 list(spec.argv),
@@ -138,17 +152,21 @@ class ServiceProcess:
                 self._echo_line(line)
 
     def _echo_line(self, line: bytes) -> None:
-        if self._echo is None:
-            return
         text = f"[{self.name}] {line.decode(errors='replace').rstrip()}\n"
-        with self._echo_lock:
-            try:
-                self._echo.write(text)
-                self._echo.flush()
-            except (OSError, ValueError):
-                # The echo stream went away (closed terminal, finished test capture); the log
-                # file still gets everything.
-                self._echo = None
+        if self._echo is not None and not echo_text(self._echo, self._echo_lock, text):
+            self._echo = None
+
+
+def echo_text(echo: TextIO, lock: threading.Lock, text: str) -> bool:
+    """Write to the echo stream; False when it went away (closed terminal, finished test
+    capture): the log files still get everything."""
+    with lock:
+        try:
+            echo.write(text)
+            echo.flush()
+        except (OSError, ValueError):
+            return False
+    return True
 
 
 class ProcessGroup:
@@ -171,9 +189,27 @@ class ProcessGroup:
         if spec.name in self._processes:
             raise ValueError(f"a service named {spec.name!r} is already in this group")
         log_path = self.log_dir / f"{spec.name.replace('/', '_')}.log"
+        log_path.unlink(missing_ok=True)
         proc = ServiceProcess(spec, log_path, self._echo, self._echo_lock, self._preexec)
         self._processes[spec.name] = proc
         return proc
+
+    def restart(self, spec: ServiceSpec, header: str) -> ServiceProcess:
+        """Start `spec` again in place of its exited process; its log goes on after `header`."""
+        old = self._processes[spec.name]
+        if old.alive:
+            raise ValueError(f"{spec.name} is still running")
+        old.finish_output()
+        proc = ServiceProcess(
+            spec, old.log_path, self._echo, self._echo_lock, self._preexec, header=header
+        )
+        self._processes[spec.name] = proc
+        return proc
+
+    def announce(self, text: str) -> None:
+        """A line of the launcher's own on the echo stream (restarts, give-ups)."""
+        if self._echo is not None and not echo_text(self._echo, self._echo_lock, text + "\n"):
+            self._echo = None
 
     @property
     def processes(self) -> dict[str, ServiceProcess]:

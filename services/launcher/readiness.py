@@ -6,6 +6,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launcher.processes import ProcessGroup
 
@@ -34,6 +38,31 @@ def probe(url: str, timeout_s: float = 1.0) -> tuple[bool, str]:
         return False, f"no answer ({reason})"
 
 
+def health_probe(address: str, timeout_s: float = 1.0) -> tuple[bool, str]:
+    """(serving, status) of the grpc.health.v1 service at `address` (a worker)."""
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            return False, f"no answer ({exc.code().name})"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING, f"health {status}"
+
+
+def services_ready(group: ProcessGroup) -> tuple[bool, str]:
+    """Whether every service with a readiness check passes it; the first that does not."""
+    for proc in group.processes.values():
+        if not proc.alive:  # a supervised stack is restarting it
+            return False, f"{proc.name}: not running"
+        if proc.spec.ready is not None:
+            ready, answer = proc.spec.ready()
+            if not ready:
+                return False, f"{proc.name}: {answer}"
+    return True, "every service is ready"
+
+
 def wait_until_ready(
     url: str,
     group: ProcessGroup,
@@ -41,21 +70,27 @@ def wait_until_ready(
     *,
     cancel: threading.Event | None = None,
     interval_s: float = 0.2,
+    check: Callable[[], None] | None = None,
 ) -> None:
-    """Return once `url` answers 200.
+    """Return once `url` answers 200 and every service passes its own readiness check (the
+    coordinator may be ready with one worker of several: startup waits for all of them).
 
-    Raises ServiceDied as soon as any child exits, StartupCancelled when `cancel` is set and
-    StartupTimeout after `timeout_s` seconds.
+    Raises ServiceDied as soon as any child exits (or, with `check`, whatever `check`
+    raises: a supervised stack restarts what exits), StartupCancelled when `cancel` is set
+    and StartupTimeout after `timeout_s` seconds.
     """
+    check = check or group.check_alive
     deadline = time.monotonic() + timeout_s
     last = "not polled yet"
     while True:
         if cancel is not None and cancel.is_set():
             raise StartupCancelled("startup was interrupted")
-        group.check_alive()
+        check()
         ready, last = probe(url, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
         if ready:
-            return
+            ready, last = services_ready(group)
+            if ready:
+                return
         if time.monotonic() >= deadline:
             raise StartupTimeout(f"{url} was not ready after {timeout_s:g} s; last answer: {last}")
         if cancel is not None:

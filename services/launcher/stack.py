@@ -11,17 +11,20 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
 import services
-from services.launcher.ports import resolve_ports
+from services.launcher.ports import pick_free_ports, resolve_ports
 from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
-from services.launcher.readiness import wait_until_ready
+from services.launcher.readiness import health_probe, probe, wait_until_ready
+from services.launcher.supervisor import ServiceGaveUp, Supervisor
 from shared.config.roles import WORKER_ROLES, WorkerRole
 from shared.config.schema import DeploymentConfig, dump_config
 
 COORDINATOR = "coordinator"
+_SERVE = (sys.executable, "-m", "services.cli", "serve")
 _ANY_ADDRESS = {"", "0.0.0.0", "::"}
 
 
@@ -78,23 +81,41 @@ def resolve_config(config: DeploymentConfig, cpus: int | None = None) -> Deploym
 
 def service_specs(config: DeploymentConfig, config_path: Path) -> list[ServiceSpec]:
     """The coordinator first, then every worker; `config` must already be resolved."""
-    base = [sys.executable, "-m", "services.cli", "serve"]
-    threads = {m.id: m.worker.threads or default_threads(config) for m in config.models}
-    # The coordinator does no tensor work; it only has to stay out of the workers' cores.
-    coordinator_env = _child_env(min(threads.values()))
-    specs = [
-        ServiceSpec(
-            COORDINATOR,
-            [*base, COORDINATOR, "--config", str(config_path)],
-            coordinator_env,
-            stop_last=True,
-        )
+    return [
+        coordinator_spec(config, config_path),
+        *(worker_spec(config, config_path, slot) for slot in worker_slots(config)),
     ]
-    for slot in worker_slots(config):
-        argv = [*base, slot.role, "--config", str(config_path)]
-        argv += ["--model-id", slot.model_id, "--index", str(slot.index)]
-        specs.append(ServiceSpec(slot.name, argv, _child_env(threads[slot.model_id])))
-    return specs
+
+
+def coordinator_spec(config: DeploymentConfig, config_path: Path) -> ServiceSpec:
+    # The coordinator does no tensor work; it only has to stay out of the workers' cores.
+    threads = min(m.worker.threads or default_threads(config) for m in config.models)
+    c = config.coordinator
+    health_url = f"http://{_connect_host(c.host)}:{c.port}/health"
+    return ServiceSpec(
+        COORDINATOR,
+        [*_SERVE, COORDINATOR, "--config", str(config_path)],
+        _child_env(threads),
+        stop_last=True,
+        ready=partial(probe, health_url),
+    )
+
+
+def worker_spec(config: DeploymentConfig, config_path: Path, slot: WorkerSlot) -> ServiceSpec:
+    """One worker on a port chosen now, so the launcher can ask its health service whether
+    it serves; each restart takes a fresh port (the registry replaces the entry)."""
+    host = _connect_host(config.worker_host)
+    (port,) = pick_free_ports(1, host)
+    argv = [*_SERVE, slot.role, "--config", str(config_path)]
+    argv += ["--model-id", slot.model_id, "--index", str(slot.index), "--port", str(port)]
+    threads = config.model(slot.model_id).worker.threads or default_threads(config)
+    return ServiceSpec(
+        slot.name,
+        argv,
+        _child_env(threads),
+        ready=partial(health_probe, f"{host}:{port}"),
+        renew=partial(worker_spec, config, config_path, slot),
+    )
 
 
 def _child_env(threads: int) -> dict[str, str]:
@@ -129,6 +150,7 @@ class LocalStack:
         self.config_path = config_path
         self.group = group
         self.workers = worker_slots(config)
+        self.supervisor: Supervisor | None = None  # set once started, if supervised
         self._stopped = False
 
     @property
@@ -157,9 +179,22 @@ class LocalStack:
     def processes(self) -> dict[str, ServiceProcess]:
         return self.group.processes
 
+    @property
+    def failure(self) -> ServiceGaveUp | None:
+        """Why the supervisor gave up on a service; None while it keeps the stack serving."""
+        return self.supervisor.failure if self.supervisor is not None else None
+
+    def supervise(self, started: bool = True) -> None:
+        """From now on a service that dies is restarted (see services/launcher/supervisor)."""
+        self.supervisor = Supervisor(self.group, started=started).start()
+
     def check_alive(self) -> None:
-        """Raise ServiceDied if any service has exited."""
-        self.group.check_alive()
+        """Raise ServiceDied if a service is gone for good: one the supervisor gave up on,
+        or, without supervision, any service that exited."""
+        if self.supervisor is None:
+            self.group.check_alive()
+        elif self.failure is not None:
+            raise self.failure
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM workers, then the coordinator; SIGKILL what is left after `grace_s`."""
@@ -167,8 +202,12 @@ class LocalStack:
             return
         self._stopped = True
         try:
+            if self.supervisor is not None:
+                self.supervisor.halt()
             self.group.stop(grace_s)
         finally:
+            if self.supervisor is not None:
+                self.supervisor.close()
             self.config_path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalStack:
@@ -185,12 +224,17 @@ def start_local_stack(
     run_dir: Path | None = None,
     echo: TextIO | None = None,
     cancel: threading.Event | None = None,
+    supervise: bool = True,
 ) -> LocalStack:
-    """Start every service of `config` and return once the coordinator reports ready.
+    """Start every service of `config` and return once the coordinator reports ready and
+    every worker's health service says SERVING.
 
     Logs go to `<run_dir>/<service>.log` (and to `echo`, prefixed, if given). If a service
     exits first, the timeout passes, or `cancel` is set, everything is stopped and
-    ServiceDied / StartupTimeout / StartupCancelled is raised.
+    ServiceDied / StartupTimeout / StartupCancelled is raised. Supervised (the default), a
+    service that dies is restarted, while starting too: ServiceDied then means one that keeps
+    failing to start or refused to (ServiceGaveUp); `supervise=False`: any exit is final, for
+    tests that need a killed worker to stay gone.
     """
     resolved = resolve_config(config)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
@@ -201,7 +245,11 @@ def start_local_stack(
     try:
         for spec in service_specs(resolved, config_path):
             stack.group.start(spec)
-        wait_until_ready(stack.ready_url, stack.group, startup_timeout_s, cancel=cancel)
+        if supervise:  # from the first start: a crash while starting is retried too
+            stack.supervise(started=False)
+        wait_until_ready(
+            stack.ready_url, stack.group, startup_timeout_s, cancel=cancel, check=stack.check_alive
+        )
     except BaseException:
         stack.stop()
         raise

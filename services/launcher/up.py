@@ -1,4 +1,8 @@
-"""`splitserve up`: the one-command local deployment, in the foreground until interrupted."""
+"""`splitserve up`: the one-command local deployment, in the foreground until interrupted.
+
+It stops on Ctrl-C, SIGTERM or SIGHUP, or when the supervisor gives up on a service (one
+that keeps failing to start); a service that merely dies is restarted and the rest serve on.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import TextIO
 from services.launcher.processes import ServiceDied
 from services.launcher.readiness import StartupCancelled, StartupTimeout
 from services.launcher.stack import LocalStack, start_local_stack
+from services.launcher.supervisor import ServiceGaveUp
 from shared.config.schema import DeploymentConfig
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -34,6 +39,8 @@ def run_up(
             stack = start_local_stack(config, startup_timeout_s, echo=err, cancel=stop)
         except StartupCancelled:
             return 0
+        except ServiceGaveUp as exc:
+            return _error(err, f"{exc.message} (before splitserve was ready)")
         except ServiceDied as exc:
             return _error(err, f"{exc.name} exited before splitserve was ready: {_rest(exc)}")
         except StartupTimeout as exc:
@@ -48,13 +55,14 @@ def run_up(
 
 
 def _serve_until_stopped(stack: LocalStack, stop: threading.Event, err: TextIO) -> int:
+    """Serve (the supervisor restarts what dies) until a stop signal, or until a service
+    keeps failing to start."""
     while not stop.wait(0.5):
-        try:
-            stack.check_alive()
-        except ServiceDied as exc:
+        failure = stack.failure
+        if failure is not None:
             if stop.wait(_SHUTDOWN_RACE_S):
                 break
-            return _error(err, f"{exc.name} stopped unexpectedly: {_rest(exc)}")
+            return _error(err, failure.message)
     return 0
 
 

@@ -18,6 +18,7 @@ from services.worker.runtime import WorkerRuntime
 from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.rpc.channels import RECONNECT_OPTIONS
 from shared.wire.convert import kv_event_to_proto, load_to_proto
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,12 @@ class RegistryClient:
         self.runtime = runtime
         self.worker_address = worker_address
         self.metrics_address = metrics_address
-        self._channel = grpc.aio.insecure_channel(registry_address)
+        # The coordinator may restart: re-register within a second of it being back.
+        self._channel = grpc.aio.insecure_channel(registry_address, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self.interval_s = runtime.config.coordinator.heartbeat_interval_s
         self._last_seq = 0
+        self.draining = False  # reported with every heartbeat once set
 
     def _register_request(self) -> pb.RegisterRequest:
         rt = self.runtime
@@ -71,6 +74,7 @@ class RegistryClient:
             transfer_agent=agent_name.encode(),
             weights=rt.model_cfg.weights,
             metrics_address=self.metrics_address,
+            replica=rt.replica,
         )
 
     async def register(self, attempts: int = 600) -> None:
@@ -91,37 +95,38 @@ class RegistryClient:
             return
         raise RegistrationRefused("the coordinator's registry never answered")
 
-    def _heartbeat_request(self, draining: bool = False) -> pb.HeartbeatRequest:
-        return pb.HeartbeatRequest(
-            worker_id=self.runtime.worker_id,
-            load=load_proto(self.runtime),
-            kv_event_seq=self._last_seq,
-            draining=draining,
-        )
-
     async def heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.publish_pending()
-            try:
-                resp = await self._stub.Heartbeat(
-                    self._heartbeat_request(), timeout=max(1.0, self.interval_s)
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.warning("heartbeat failed: %s", exc.details())
+            resp = await self.heartbeat()
+            if resp is None:
                 continue
             if not resp.known:
                 await self.register()
             elif resp.resync_from_seq:
                 await self.publish_snapshot()
 
-    async def announce_draining(self) -> None:
-        """Tell the coordinator we are stopping, so that it routes nothing new here while
-        the streams we run finish (and the fleet view shows us draining, not dead)."""
+    async def heartbeat(self) -> pb.HeartbeatResponse | None:
+        """One heartbeat now; None when the coordinator did not answer."""
         try:
-            await self._stub.Heartbeat(self._heartbeat_request(draining=True), timeout=1.0)
-        except grpc.aio.AioRpcError as exc:  # the coordinator may be stopping too
-            log.info("could not announce draining: %s", exc.details())
+            return await self._stub.Heartbeat(
+                pb.HeartbeatRequest(
+                    worker_id=self.runtime.worker_id,
+                    load=load_proto(self.runtime),
+                    kv_event_seq=self._last_seq,
+                    draining=self.draining,
+                ),
+                timeout=max(1.0, self.interval_s),
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("heartbeat failed: %s", exc.details())
+            return None
+
+    async def announce_draining(self) -> None:
+        """Tell the coordinator at once (not at the next beat) to route nothing new here."""
+        self.draining = True
+        await self.heartbeat()
 
     def _drain(self) -> list[KVEvent]:
         events = []

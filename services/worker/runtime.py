@@ -62,7 +62,12 @@ class WorkerRuntime:
         self.config = config
         self.model_cfg: ModelDeployment = config.model(model_id)
         self.role = role
-        # Host name too: in a pod every process is pid 1. The pid stays last (tests match it).
+        # The replica keeps its name across restarts (host name too: a pod's container
+        # restarts in the same pod); worker_id names this process of it, so a restarted
+        # replica is a new transfer peer that nothing cached about the old one can match.
+        # The pid stays last (tests match it), and a pod's pid is always 1: the host name
+        # carries the difference there.
+        self.replica = f"{model_id}-{role}-{index}@{socket.gethostname()}"
         self.worker_id = f"{model_id}-{role}-{index}-{socket.gethostname()}-{os.getpid()}"
         path = self.model_cfg.path or default_model_path()
         worker = self.model_cfg.worker
@@ -130,7 +135,7 @@ class WorkerRuntime:
         self.transfer: TransferBackend = create_transfer_backend(
             self.transfer_kind, self.worker_id, **options
         )
-        self.transfer.register_pool(pool)
+        self.transfer.register_pool(pool, replica=self.replica)
         self.arrivals = KVArrivals(self.free_blocks)
         self.cancelled = CancelledRequests()
         self.faults = worker.fault_injection

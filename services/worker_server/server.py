@@ -8,6 +8,8 @@ import json
 import logging
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import grpc
@@ -18,6 +20,7 @@ from services.prefill.service import PrefillService
 from services.worker.arrivals import Stage
 from services.worker.registration import RegistrationRefused, RegistryClient
 from services.worker.runtime import WorkerRuntime
+from services.worker_server.health import WorkerHealth
 from shared.config.roles import can_decode, can_prefill
 from shared.config.schema import DeploymentConfig
 from shared.proto_gen import worker_pb2 as pb
@@ -28,8 +31,9 @@ from shared.telemetry.worker_telemetry import WorkerTelemetry
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0005
 
-# In-flight streams get this long to finish on SIGTERM (the chart's termination grace is longer).
-DRAIN_GRACE_S = 30.0
+# On SIGTERM running streams get `worker_drain_grace_s` to finish; whatever is still open
+# after the drain (a stream's last message on its way out) gets DRAIN_TAIL_S.
+DRAIN_TAIL_S = 2.0
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -44,13 +48,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.control = control  # decode roles: the KV receives an Abort must stop too
         self.prefill_service = PrefillService(runtime) if can_prefill(runtime.role) else None
         self.decode_service = DecodeService(runtime) if can_decode(runtime.role) else None
+        self.active_streams = 0  # Prefill and Decode calls still open: what a drain waits on
 
     async def Prefill(self, request, context):
         if self.prefill_service is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no prefill role"
             )
-        with self.telemetry.spans.prefill(request, context.invocation_metadata()) as trace:
+        with (
+            self._stream(),
+            self.telemetry.spans.prefill(request, context.invocation_metadata()) as trace,
+        ):
             # aclosing: a call cancelled while a message is on its way closes the service's
             # generator now (it releases the request's blocks), not when it is collected.
             events = self.prefill_service.prefill(request, context)
@@ -71,10 +79,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.runtime.worker_id} has no decode role"
             )
-        with self.telemetry.spans.decode(request, context.invocation_metadata()) as trace:
+        with (
+            self._stream(),
+            self.telemetry.spans.decode(request, context.invocation_metadata()) as trace,
+        ):
             async for chunk in self.decode_service.decode(request, context):
                 trace.observe(chunk)
                 yield chunk
+
+    @contextlib.contextmanager
+    def _stream(self) -> Iterator[None]:
+        self.active_streams += 1
+        try:
+            yield
+        finally:
+            self.active_streams -= 1
 
     async def Abort(self, request, context):
         """The coordinator gave up on the request (client gone, migrated): stop it in every
@@ -117,6 +136,8 @@ async def serve_worker(
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     if control is not None:
         add_control_servicer(server, control)
+    health = WorkerHealth()
+    await health.add_to(server)
     port = server.add_insecure_port(f"{config.worker_host}:{port}")
     await server.start()
     address = f"{config.worker_host}:{port}"
@@ -129,6 +150,7 @@ async def serve_worker(
     tasks = []
     try:
         await registry.register()
+        await health.serving()
         log.info(
             "worker %s serving on %s (metrics on http://%s/metrics)",
             runtime.worker_id,
@@ -140,13 +162,14 @@ async def serve_worker(
             asyncio.create_task(runtime.expire_parked_forever()),
         ]
         await stop.wait()
+        # Heartbeats go on while draining: the coordinator keeps the replica (its streams
+        # are still running) but routes nothing new to it.
+        await health.draining()
+        await drain(servicer, registry, config.worker_drain_grace_s)
     finally:
         for t in tasks:
             t.cancel()
-        if tasks:  # registered: the coordinator should stop routing here first
-            await registry.announce_draining()
-        # Drain: stop taking new calls, give in-flight streams a moment to finish.
-        await server.stop(grace=DRAIN_GRACE_S)
+        await server.stop(grace=DRAIN_TAIL_S)
         if control is not None:
             await control.close()
         if servicer.prefill_service is not None:
@@ -154,6 +177,23 @@ async def serve_worker(
         await registry.close()
         await runtime.stop()
         await asyncio.to_thread(telemetry.close)
+
+
+async def drain(servicer: WorkerServicer, registry: RegistryClient, grace_s: float) -> None:
+    """Stop being routed to, then wait (at most `grace_s`) for the running streams to end.
+
+    The server keeps accepting calls meanwhile: a request routed here just before the
+    coordinator heard of the drain (its KV push, its Decode call) still completes.
+    """
+    await registry.announce_draining()
+    deadline = time.monotonic() + grace_s
+    log.info("draining: %d streams running, up to %.0f s", servicer.active_streams, grace_s)
+    while servicer.active_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if servicer.active_streams:
+        log.warning("drain grace over: %d streams cut", servicer.active_streams)
+    else:
+        log.info("drained: every stream finished")
 
 
 def run_worker(

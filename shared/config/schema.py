@@ -149,6 +149,12 @@ class DeploymentConfig(_Strict):
     transfer: TransferConfig = TransferConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     worker_host: str = "127.0.0.1"
+    worker_drain_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="on SIGTERM a worker's running streams get this long to finish (the "
+        "chart's terminationGracePeriodSeconds covers it and the preStop pause)",
+    )
     telemetry: TelemetryConfig = TelemetryConfig()
     tiers: TiersConfig = TiersConfig()
     api_keys: ApiKeysConfig = ApiKeysConfig()

@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvtransfer.proto\x12\x18splitserve.kvtransfer.v1\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x8d\x01\n\rAgentMetadata\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x32\n\x06layout\x18\x03 \x01(\x0b\x32\".splitserve.kvtransfer.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\"A\n\x0f\x42lockDescriptor\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\xc0\x01\n\x15PrepareReceiveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x32\n\x06layout\x18\x03 \x01(\x0b\x32\".splitserve.kvtransfer.v1.KVLayout\x12\x37\n\x06sender\x18\x04 \x01(\x0b\x32\'.splitserve.kvtransfer.v1.AgentMetadata\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\x8e\x01\n\x16PrepareReceiveResponse\x12\x39\n\x08receiver\x18\x01 \x01(\x0b\x32\'.splitserve.kvtransfer.v1.AgentMetadata\x12\x39\n\x06\x62locks\x18\x02 \x03(\x0b\x32).splitserve.kvtransfer.v1.BlockDescriptor\"\x82\x01\n\x13TransferDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x06status\x18\x02 \x01(\x0e\x32(.splitserve.kvtransfer.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"h\n\x14TransferDoneResponse\x12\x41\n\x0freceiver_status\x18\x01 \x01(\x0e\x32(.splitserve.kvtransfer.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*\xc0\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17TRANSFER_STATUS_PENDING\x10\x01\x12\x18\n\x14TRANSFER_STATUS_DONE\x10\x02\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x03\x12\x1d\n\x19TRANSFER_STATUS_TIMED_OUT\x10\x04\x12\x1b\n\x17TRANSFER_STATUS_ABORTED\x10\x05\x32\xb1\x03\n\x11KvTransferControl\x12s\n\x0ePrepareReceive\x12/.splitserve.kvtransfer.v1.PrepareReceiveRequest\x1a\x30.splitserve.kvtransfer.v1.PrepareReceiveResponse\x12m\n\x0cTransferDone\x12-.splitserve.kvtransfer.v1.TransferDoneRequest\x1a..splitserve.kvtransfer.v1.TransferDoneResponse\x12^\n\x07Release\x12(.splitserve.kvtransfer.v1.ReleaseRequest\x1a).splitserve.kvtransfer.v1.ReleaseResponse\x12X\n\x05\x41\x62ort\x12&.splitserve.kvtransfer.v1.AbortRequest\x1a\'.splitserve.kvtransfer.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvtransfer.proto\x12\x18splitserve.kvtransfer.v1\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x9e\x01\n\rAgentMetadata\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x32\n\x06layout\x18\x03 \x01(\x0b\x32\".splitserve.kvtransfer.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x0f\n\x07replica\x18\x06 \x01(\t\"A\n\x0f\x42lockDescriptor\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\xc0\x01\n\x15PrepareReceiveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x32\n\x06layout\x18\x03 \x01(\x0b\x32\".splitserve.kvtransfer.v1.KVLayout\x12\x37\n\x06sender\x18\x04 \x01(\x0b\x32\'.splitserve.kvtransfer.v1.AgentMetadata\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\x8e\x01\n\x16PrepareReceiveResponse\x12\x39\n\x08receiver\x18\x01 \x01(\x0b\x32\'.splitserve.kvtransfer.v1.AgentMetadata\x12\x39\n\x06\x62locks\x18\x02 \x03(\x0b\x32).splitserve.kvtransfer.v1.BlockDescriptor\"\x82\x01\n\x13TransferDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x06status\x18\x02 \x01(\x0e\x32(.splitserve.kvtransfer.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"h\n\x14TransferDoneResponse\x12\x41\n\x0freceiver_status\x18\x01 \x01(\x0e\x32(.splitserve.kvtransfer.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*\xc0\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17TRANSFER_STATUS_PENDING\x10\x01\x12\x18\n\x14TRANSFER_STATUS_DONE\x10\x02\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x03\x12\x1d\n\x19TRANSFER_STATUS_TIMED_OUT\x10\x04\x12\x1b\n\x17TRANSFER_STATUS_ABORTED\x10\x05\x32\xb1\x03\n\x11KvTransferControl\x12s\n\x0ePrepareReceive\x12/.splitserve.kvtransfer.v1.PrepareReceiveRequest\x1a\x30.splitserve.kvtransfer.v1.PrepareReceiveResponse\x12m\n\x0cTransferDone\x12-.splitserve.kvtransfer.v1.TransferDoneRequest\x1a..splitserve.kvtransfer.v1.TransferDoneResponse\x12^\n\x07Release\x12(.splitserve.kvtransfer.v1.ReleaseRequest\x1a).splitserve.kvtransfer.v1.ReleaseResponse\x12X\n\x05\x41\x62ort\x12&.splitserve.kvtransfer.v1.AbortRequest\x1a\'.splitserve.kvtransfer.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtransfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATUS']._serialized_start=1105
-  _globals['_TRANSFERSTATUS']._serialized_end=1297
+  _globals['_TRANSFERSTATUS']._serialized_start=1122
+  _globals['_TRANSFERSTATUS']._serialized_end=1314
   _globals['_KVLAYOUT']._serialized_start=46
   _globals['_KVLAYOUT']._serialized_end=151
   _globals['_AGENTMETADATA']._serialized_start=154
-  _globals['_AGENTMETADATA']._serialized_end=295
-  _globals['_BLOCKDESCRIPTOR']._serialized_start=297
-  _globals['_BLOCKDESCRIPTOR']._serialized_end=362
-  _globals['_PREPARERECEIVEREQUEST']._serialized_start=365
-  _globals['_PREPARERECEIVEREQUEST']._serialized_end=557
-  _globals['_PREPARERECEIVERESPONSE']._serialized_start=560
-  _globals['_PREPARERECEIVERESPONSE']._serialized_end=702
-  _globals['_TRANSFERDONEREQUEST']._serialized_start=705
-  _globals['_TRANSFERDONEREQUEST']._serialized_end=835
-  _globals['_TRANSFERDONERESPONSE']._serialized_start=837
-  _globals['_TRANSFERDONERESPONSE']._serialized_end=941
-  _globals['_RELEASEREQUEST']._serialized_start=943
-  _globals['_RELEASEREQUEST']._serialized_end=979
-  _globals['_RELEASERESPONSE']._serialized_start=981
-  _globals['_RELEASERESPONSE']._serialized_end=1016
-  _globals['_ABORTREQUEST']._serialized_start=1018
-  _globals['_ABORTREQUEST']._serialized_end=1068
-  _globals['_ABORTRESPONSE']._serialized_start=1070
-  _globals['_ABORTRESPONSE']._serialized_end=1102
-  _globals['_KVTRANSFERCONTROL']._serialized_start=1300
-  _globals['_KVTRANSFERCONTROL']._serialized_end=1733
+  _globals['_AGENTMETADATA']._serialized_end=312
+  _globals['_BLOCKDESCRIPTOR']._serialized_start=314
+  _globals['_BLOCKDESCRIPTOR']._serialized_end=379
+  _globals['_PREPARERECEIVEREQUEST']._serialized_start=382
+  _globals['_PREPARERECEIVEREQUEST']._serialized_end=574
+  _globals['_PREPARERECEIVERESPONSE']._serialized_start=577
+  _globals['_PREPARERECEIVERESPONSE']._serialized_end=719
+  _globals['_TRANSFERDONEREQUEST']._serialized_start=722
+  _globals['_TRANSFERDONEREQUEST']._serialized_end=852
+  _globals['_TRANSFERDONERESPONSE']._serialized_start=854
+  _globals['_TRANSFERDONERESPONSE']._serialized_end=958
+  _globals['_RELEASEREQUEST']._serialized_start=960
+  _globals['_RELEASEREQUEST']._serialized_end=996
+  _globals['_RELEASERESPONSE']._serialized_start=998
+  _globals['_RELEASERESPONSE']._serialized_end=1033
+  _globals['_ABORTREQUEST']._serialized_start=1035
+  _globals['_ABORTREQUEST']._serialized_end=1085
+  _globals['_ABORTRESPONSE']._serialized_start=1087
+  _globals['_ABORTRESPONSE']._serialized_end=1119
+  _globals['_KVTRANSFERCONTROL']._serialized_start=1317
+  _globals['_KVTRANSFERCONTROL']._serialized_end=1750
 # @@protoc_insertion_point(module_scope)

@@ -37,18 +37,20 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class AgentMetadata(_message.Message):
-    __slots__ = ("backend", "agent_name", "layout", "num_blocks", "payload")
+    __slots__ = ("backend", "agent_name", "layout", "num_blocks", "payload", "replica")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     backend: str
     agent_name: str
     layout: KVLayout
     num_blocks: int
     payload: bytes
-    def __init__(self, backend: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    replica: str
+    def __init__(self, backend: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., payload: _Optional[bytes] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class BlockDescriptor(_message.Message):
     __slots__ = ("block_id", "addr", "nbytes")

@@ -213,7 +213,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., active_kv_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "tokenizer_fingerprint", "block_size", "address", "max_model_len", "load", "transfer_backend", "transfer_agent", "weights", "metrics_address")
+    __slots__ = ("worker_id", "role", "model", "tokenizer_fingerprint", "block_size", "address", "max_model_len", "load", "transfer_backend", "transfer_agent", "weights", "metrics_address", "replica")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class RegisterRequest(_message.Message):
     TRANSFER_AGENT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -238,7 +239,8 @@ class RegisterRequest(_message.Message):
     transfer_agent: bytes
     weights: str
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., transfer_backend: _Optional[str] = ..., transfer_agent: _Optional[bytes] = ..., weights: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    replica: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., transfer_backend: _Optional[str] = ..., transfer_agent: _Optional[bytes] = ..., weights: _Optional[str] = ..., metrics_address: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("accepted", "reason", "heartbeat_interval_s")

@@ -16,6 +16,15 @@ import grpc
 
 S = TypeVar("S")
 
+# A peer that restarts comes back within seconds, often at the same address (a pod keeps its
+# IP across container restarts): retry the connection at least every second instead of
+# gRPC's default backoff of up to 120 s, which would keep a replaced peer unreachable.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 
 class ChannelPool:
     def __init__(self) -> None:
@@ -25,7 +34,7 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
             self._channels[address] = channel
         return channel
 

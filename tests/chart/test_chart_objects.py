@@ -55,14 +55,22 @@ def test_probes_hit_real_endpoints_and_pods_drain_before_they_stop():
         spec = d["spec"]["template"]["spec"]
         assert spec["terminationGracePeriodSeconds"] >= 60
         assert spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    config = yaml.safe_load(rendered.config_yaml())
     for d in workers(rendered):
-        c = d["spec"]["template"]["spec"]["containers"][0]
+        spec = d["spec"]["template"]["spec"]
+        c = spec["containers"][0]
         port = c["ports"][0]["containerPort"]
-        assert c["readinessProbe"]["tcpSocket"]["port"] in (port, "grpc")
-        assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+        # grpc.health.v1: SERVING only once loaded and registered, NOT_SERVING while draining.
+        assert c["readinessProbe"]["grpc"]["port"] == port
+        assert c["startupProbe"]["grpc"]["port"] == port
+        assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"  # a drain is no reason to kill
         assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        # The pod outlives its preStop pause plus the worker's own drain.
+        pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert spec["terminationGracePeriodSeconds"] > pause + config["worker_drain_grace_s"]
     for d in workers(render("everything")):
-        assert d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        assert c["readinessProbe"]["tcpSocket"]["port"] == "grpc"  # probes.readiness: tcp
 
 
 def test_worker_pods_serve_their_model_and_role_on_their_pod_ip():

@@ -72,6 +72,7 @@ INVALID = {
     "schema-key-typo": "'kv_cache_byte' not allowed",
     "planner-min-zero": "/planner/min/prefill",
     "block-size": "/config/block_size",
+    "drain-longer-than-grace": "workers.terminationGracePeriodSeconds (120) must be at least",
 }
 
 

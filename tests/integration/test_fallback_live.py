@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from services.launcher import start_local_stack
+from services.launcher.presets import LOOPBACK_COORDINATOR
 from shared.config.schema import parse_config
 
 pytestmark = pytest.mark.real_model
@@ -38,12 +39,7 @@ def _model(model_id: str, stall_ms: int, replicas: int = 1) -> dict:
 @pytest.fixture(scope="module")
 def stack():
     config = {
-        "coordinator": {
-            "port": 0,
-            "registry_port": 0,
-            "heartbeat_interval_s": 0.5,
-            "heartbeat_timeout_s": 2.0,
-        },
+        "coordinator": dict(LOOPBACK_COORDINATOR),
         "transfer": {"backend": "shm"},
         "models": [_model(SLOW, STALL_MS), _model(FAST, 0, replicas=2)],
         "routers": {

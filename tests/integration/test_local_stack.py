@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from services.launcher import start_local_stack
+from services.launcher.presets import loopback_config
 from shared.config.schema import parse_config
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
@@ -23,23 +24,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def stack_config(**pools) -> dict:
-    return {
-        "coordinator": {
-            "port": 0,
-            "registry_port": 0,
-            "heartbeat_interval_s": 0.5,
-            "heartbeat_timeout_s": 2.0,
-        },
-        "transfer": {"backend": "shm"},
-        "models": [
-            {
-                "id": DEFAULT_MODEL_ID,
-                "weights": "fp32",
-                "pools": pools or {"prefill": 1, "decode": 1},
-                "worker": {"kv_cache_bytes": 64 << 20, "host_cache_bytes": 32 << 20, "threads": 1},
-            }
-        ],
-    }
+    return loopback_config(pools or None)
 
 
 @pytest.fixture(scope="module")

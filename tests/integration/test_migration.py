@@ -24,7 +24,8 @@ MAX_TOKENS = 60
 @pytest.fixture(scope="module")
 def stack():
     cfg = parse_config(stack_config(prefill=1, decode=2))
-    with start_local_stack(cfg, startup_timeout_s=240) as running:
+    # Unsupervised: the second test needs the first one's victim to stay dead.
+    with start_local_stack(cfg, startup_timeout_s=240, supervise=False) as running:
         yield running
 
 

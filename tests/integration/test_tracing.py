@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import start_local_stack
+from services.launcher.presets import LOOPBACK_COORDINATOR
 from shared.config.schema import parse_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.telemetry.receiver import OtlpReceiver
@@ -35,12 +36,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def stack(receiver):
     config = {
-        "coordinator": {
-            "port": 0,
-            "registry_port": 0,
-            "heartbeat_interval_s": 0.5,
-            "heartbeat_timeout_s": 2.0,
-        },
+        "coordinator": dict(LOOPBACK_COORDINATOR),
         "transfer": {"backend": "shm"},
         # Every request takes the disaggregated path, so every trace spans three processes:
         # a repeated prompt would otherwise be prefilled on the decode replica holding it.

@@ -244,3 +244,33 @@ def test_metrics_count_transfers_per_backend(pair, registry):
     assert count == 1
     # A third agent in the same process and registry reuses the collectors.
     FakeTransferBackend("third", FakeFabric(), registry=registry).close()
+
+
+def test_a_restarted_peer_replaces_its_earlier_process(registry):
+    """Same replica, new agent (its next process): what was kept about the old one goes, and
+    transfers reach the new one; unnamed agents are never taken for one another."""
+    fabric = FakeFabric()
+    prefill = FakeTransferBackend("prefill-0-1", fabric, registry=registry)
+    prefill.register_pool(KVPool(LAYOUT, NUM_BLOCKS), replica="prefill-0@h")
+    first = FakeTransferBackend("decode-0-100", fabric, registry=registry)
+    prefill.add_peer("decode-0-100", first.register_pool(KVPool(LAYOUT, 4), replica="decode-0@h"))
+    other = FakeTransferBackend("decode-1-101", fabric, registry=registry)
+    prefill.add_peer("decode-1-101", other.register_pool(KVPool(LAYOUT, 4), replica="decode-1@h"))
+    first.close()  # killed
+    second = FakeTransferBackend("decode-0-102", fabric, registry=registry)
+    restarted = second.register_pool(KVPool(LAYOUT, 4), replica="decode-0@h")
+    assert restarted.replica == "decode-0@h"
+    prefill.add_peer("decode-0-102", restarted)
+    assert prefill.peer_names == ["decode-0-102", "decode-1-101"]
+    second.add_peer("prefill-0-1", prefill.metadata)
+    recv = second.prepare_receive("r", [0, 1], 2.0)
+    sent = prefill.send("r", [5, 6], recv.descriptors, 2.0)
+    sessions = [
+        TransferSession(prefill, sent, lambda _: None),
+        TransferSession(second, recv, lambda _: None),
+    ]
+    assert [s.wait() for s in sessions] == [TransferState.DONE, TransferState.DONE]
+    for name in ("x-1", "x-2"):
+        peer = FakeTransferBackend(name, fabric, registry=registry)
+        prefill.add_peer(name, peer.register_pool(KVPool(LAYOUT, 4)))
+    assert {"x-1", "x-2"} <= set(prefill.peer_names)

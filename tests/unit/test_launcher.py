@@ -39,6 +39,7 @@ from services.launcher.stack import (
 )
 from services.launcher.up import run_up
 from shared.config.schema import load_config, parse_config
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -169,13 +170,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+_wait_until = wait_until
 
 
 def _wait_for_log(log_path: Path, text: str) -> None:
@@ -329,6 +324,31 @@ def test_start_local_stack_stops_everything_when_a_service_dies(
     assert leftover_children() == []  # the coordinator went too
 
 
+def test_a_service_crashing_while_the_stack_starts_is_restarted(monkeypatch, children, tmp_path):
+    marker = tmp_path / "terminated.txt"
+    argv = [PY, children["sleeper"], str(marker), "decode-0"]
+    sleeper = ServiceSpec("decode-0", argv, ready=lambda: (True, "sleeping"))
+
+    def test_specs(config, config_path):
+        server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
+        crash = [PY, "-c", "raise SystemExit(1)"]  # code 1: nothing a restart cannot fix
+        return [
+            ServiceSpec("coordinator", server, stop_last=True),
+            # Its first start never gets ready: it crashes.
+            ServiceSpec(
+                "decode-0", crash, ready=lambda: (False, "starting"), renew=lambda: sleeper
+            ),
+        ]
+
+    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
+    with start_local_stack(config, startup_timeout_s=20, run_dir=tmp_path / "run") as stack:
+        assert stack.supervisor.restarts("decode-0") == 1
+        assert stack.processes["decode-0"].alive
+        stack.check_alive()
+    assert (tmp_path / "run" / "decode-0.log").read_text().startswith("--- splitserve: restart 1")
+
+
 def test_resolve_config_picks_distinct_ports_and_shares_cores():
     config = parse_config(
         {
@@ -388,7 +408,13 @@ def test_service_specs_start_the_coordinator_then_every_worker(tmp_path):
         "a",
         "--index",
         "1",
+        "--port",
+        specs[2].argv[-1],
     ]
+    ports = {s.argv[-1] for s in specs[1:]}
+    assert len(ports) == 4 and "0" not in ports  # the launcher knows where to ask for health
+    assert specs[0].ready is not None and all(s.renew is not None for s in specs[1:])
+    assert specs[1].renew().argv[-1] != specs[1].argv[-1]  # a restart gets a fresh port
     assert all(s.env["OMP_NUM_THREADS"] == "2" for s in specs)  # 8 cores // 4 workers
     assert all(s.env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT) for s in specs)
     single = worker_slots(parse_config({}))
@@ -461,6 +487,10 @@ def test_up_fails_naming_a_service_that_dies_after_startup(
     config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
     assert run_up(config, startup_timeout_s=30, out=out, err=err) == 1
     assert "splitserve is ready" in out.getvalue()
-    assert "splitserve: error: decode-0 stopped unexpectedly: exited with code 3" in err.getvalue()
+    # Code 3 (registration refused): starting it again would only be refused again.
+    assert (
+        "splitserve: error: decode-0 stopped unexpectedly (the coordinator refused its "
+        "registration): exited with code 3"
+    ) in err.getvalue()
     assert "boom: simulated failure" in err.getvalue()
     assert leftover_children() == []

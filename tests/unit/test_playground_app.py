@@ -120,7 +120,7 @@ def test_fleet_view_marks_dead_and_draining_workers(real_tokenizer):
     registry.register(_worker("w-decode-1", "decode"))
     registry.mark_dead("w-decode-1", "test")
     assert registry.heartbeat("w-decode-0", WorkerLoad(total_blocks=10), draining=True)
-    assert [w.worker_id for w in registry.alive(MODEL)] == ["w-prefill-0"]  # no new work
+    assert [w.worker_id for w in registry.routable(MODEL)] == ["w-prefill-0"]  # no new work
     registry.workers["w-prefill-0"].last_seen = time.monotonic()
     backend = ScriptedTestBackend(real_tokenizer, {MODEL: Script()})
     fleet = FleetView(registry, refresh_s=60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.coordinator.fleet_readiness import fleet_readiness
 from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerRegistry
 from services.coordinator.routing import choose_pair
 from shared.config.schema import parse_config
@@ -43,12 +44,71 @@ def test_disagreeing_worker_is_refused_naming_the_field(
         registry.check(model, fingerprint, block_size, "decode")
 
 
-def test_ready_only_when_every_configured_worker_is_alive(registry):
-    assert not registry.is_ready()
+def test_ready_while_a_path_exists_and_missing_roles_are_listed(registry):
+    status = fleet_readiness(registry)
+    assert not status["ready"]
+    assert [(m["model"], m["role"]) for m in status["missing"]] == [
+        ("SmolLM2-135M-Instruct", "prefill"),
+        ("SmolLM2-135M-Instruct", "decode"),
+    ]
     registry.register(_worker("p0", "prefill"))
-    assert not registry.is_ready()
+    status = fleet_readiness(registry)
+    assert [m["role"] for m in status["missing"]] == ["decode"]
+    assert "no routable decode replica" in status["missing"][0]["message"]
     registry.register(_worker("d0", "decode"))
-    assert registry.is_ready()
+    registry.register(_worker("d1", "decode"))
+    assert fleet_readiness(registry)["ready"]
+    # One of two decode replicas gone: still a path, still ready.
+    registry.mark_dead("d0", "test")
+    status = fleet_readiness(registry)
+    assert status["ready"] and status["missing"] == []
+    assert status["models"]["SmolLM2-135M-Instruct"]["replicas"] == {
+        "prefill": 1,
+        "decode": 1,
+        "both": 0,
+    }
+    # The last one draining: nothing new can be routed, so not ready.
+    registry.heartbeat("d1", registry.workers["d1"].load, draining=True)
+    assert [m["role"] for m in fleet_readiness(registry)["missing"]] == ["decode"]
+    registry.register(_worker("b0", "both"))
+    assert fleet_readiness(registry)["ready"]  # a colocated replica is a path by itself
+
+
+def test_a_restarted_replica_replaces_its_entry_and_kv(registry):
+    registry.register(_worker("d0-pid1", "decode", replica="decode-0@host"))
+    registry.register(_worker("d1-pid2", "decode", replica="decode-1@host"))
+    registry.apply_events("d0-pid1", [KVEvent("stored", (1, 2), "device", 1)], snapshot=False)
+    restarted = WorkerInfo(
+        "d0-pid3",
+        "decode",
+        "SmolLM2-135M-Instruct",
+        "127.0.0.1:9999",  # a new address
+        "d0-pid3",
+        8192,
+        replica="decode-0@host",
+    )
+    registry.register(restarted)
+    assert set(registry.workers) == {"d1-pid2", "d0-pid3"}  # no ghost beside it
+    assert registry.cached_prefix_blocks("d0-pid1", [1, 2]) == (0, None)
+    assert registry.cached_prefix_blocks("d0-pid3", [1, 2]) == (0, None)
+    assert {w.worker_id for w in registry.routable("SmolLM2-135M-Instruct")} == {
+        "d1-pid2",
+        "d0-pid3",
+    }
+    # Unnamed replicas (older workers) are never merged.
+    registry.register(_worker("x-pid4", "decode"))
+    registry.register(_worker("x-pid5", "decode"))
+    assert {"x-pid4", "x-pid5"} <= set(registry.workers)
+
+
+def test_a_draining_replica_is_not_routed_to(registry):
+    registry.register(_worker("p0", "prefill"))
+    registry.register(_worker("d0", "decode"))
+    registry.register(_worker("d1", "decode"))
+    assert registry.heartbeat("d1", registry.workers["d1"].load, draining=True)
+    for _ in range(5):
+        decision = choose_pair(registry, "SmolLM2-135M-Instruct", prompt_token_ids=[1, 2, 3])
+        assert decision is not None and decision.decode.worker_id == "d0"
 
 
 def test_missed_heartbeats_leave_the_pool_and_drop_kv(registry):

@@ -38,7 +38,13 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
   "transfer" .Values.config.transfer
   "coordinator" $coordinator
   "worker_host" "0.0.0.0"
+  "worker_drain_grace_s" (int .Values.workers.drainGraceSeconds)
 -}}
+{{- $w := .Values.workers -}}
+{{- $podGrace := add (int $w.preStopSleepSeconds) (int $w.drainGraceSeconds) 5 -}}
+{{- if lt (int $w.terminationGracePeriodSeconds) (int $podGrace) -}}
+{{- fail (printf "workers.terminationGracePeriodSeconds (%d) must be at least preStopSleepSeconds + drainGraceSeconds + 5 (%d): Kubernetes would kill a worker mid-drain" (int $w.terminationGracePeriodSeconds) (int $podGrace)) -}}
+{{- end -}}
 {{- if .Values.apiKeys.enabled -}}
 {{- if .Values.apiKeys.entitlements -}}
 {{- if not .Values.apiKeys.existingSecret -}}

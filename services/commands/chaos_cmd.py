@@ -1,0 +1,58 @@
+"""`splitserve bench chaos`: streams through a supervised local stack while workers die."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands.common import WEIGHT_FORMATS, fail, positive_int
+
+
+def add_bench(kinds) -> None:
+    from services.bench.chaos_bench import SCENARIOS
+
+    bench = kinds.add_parser(
+        "chaos", help="kill, drain and restart workers under concurrent greedy streams"
+    )
+    bench.add_argument("--streams", type=positive_int, default=16, help="concurrent streams")
+    bench.add_argument("--max-tokens", type=positive_int, default=48, help="per stream")
+    bench.add_argument("--prefill", type=positive_int, default=2, help="prefill replicas")
+    bench.add_argument("--decode", type=positive_int, default=2, help="decode replicas (>= 2)")
+    bench.add_argument("--weights", default="fp32", choices=WEIGHT_FORMATS)
+    bench.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated, from {', '.join(SCENARIOS)} (default: all)",
+    )
+    bench.add_argument("--json", default=None, metavar="OUT")
+    bench.set_defaults(handler=run_bench_chaos)
+
+
+def run_bench_chaos(args: argparse.Namespace) -> int:
+    from services.bench import chaos_bench
+    from services.bench.report import machine_info, print_table, save_outputs
+
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = sorted(set(scenarios) - set(chaos_bench.SCENARIOS))
+    if unknown:
+        return fail(
+            f"--scenarios: unknown {unknown}; choose from {', '.join(chaos_bench.SCENARIOS)}"
+        )
+    if args.decode < 2:
+        return fail("--decode: at least 2, so that streams have a replica to migrate to")
+    spec = chaos_bench.ChaosBenchSpec(
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        prefill=args.prefill,
+        decode=args.decode,
+        weights=args.weights,
+        scenarios=scenarios,
+    )
+    result = chaos_bench.run(spec)
+    result["machine"] = machine_info()
+    print_table(
+        f"splitserve bench chaos ({spec.streams} greedy streams; {spec.prefill} prefill + "
+        f"{spec.decode} decode; reference = 0 or the calm run)",
+        chaos_bench.table_rows(result),
+    )
+    save_outputs("chaos", result, args.json, args.plot)
+    return 0 if result["targets_met"] else 1

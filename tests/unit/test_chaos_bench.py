@@ -1,0 +1,35 @@
+"""The `bench chaos` report: per-scenario keys and figures from known stream results."""
+
+from __future__ import annotations
+
+from services.bench.chaos_bench import StreamResult, summarize_streams, table_rows
+
+
+def test_summary_counts_identical_failed_and_the_p99_of_each_streams_longest_stall():
+    streams = [
+        StreamResult("a", text="one two", gaps_ms=[10.0, 250.0, 12.0]),
+        StreamResult("b", text="changed", gaps_ms=[11.0, 13.0]),
+        StreamResult("c", text="", error="giving up after 2 migrations"),
+    ]
+    reference = {"a": "one two", "b": "three four", "c": "five"}
+    summary = summarize_streams(streams, reference)
+    assert summary["streams"] == 3 and summary["failed"] == 1
+    assert summary["identical"] == 1  # a; b differs, c failed
+    # Longest gaps of the survivors are 250 and 13: their p99 interpolates between them.
+    assert summary["p99_stall_ms"] == round(13.0 + (250.0 - 13.0) * 0.99, 1)
+    assert summary["errors"] == ["giving up after 2 migrations"]
+    assert "identical" not in summarize_streams(streams, None)  # the calm run has no reference
+
+
+def test_table_rows_hold_each_figure_beside_its_target():
+    calm = {"streams": 2, "failed": 0, "p99_stall_ms": 50.0}
+    scenario = {"streams": 2, "identical": 2, "failed": 0, "leaked_blocks": 0}
+    result = {
+        "scenarios": {
+            "kill_decode": {**scenario, "recovery_s": 4.2, "p99_stall_ms": 100.0, "calm": calm}
+        }
+    }
+    rows = {name: (ours, ref, ratio) for name, ours, ref, ratio in table_rows(result)}
+    assert rows["kill_decode: identical / streams"] == (2, 2, None)
+    assert rows["kill_decode: leaked blocks"] == (0, 0, None)
+    assert rows["kill_decode: p99 stall ms vs calm"] == (100.0, 50.0, 2.0)
