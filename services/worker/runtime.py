@@ -125,6 +125,8 @@ class WorkerRuntime:
         self.engine.format_choice = self.format_choice  # shown in Stats and /metrics
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
+            # Structured outputs: grammars are compiled against the model's own vocabulary.
+            self.engine.constraints.tokenizer = self.tokenizer
         self.async_engine = AsyncEngine(self.engine)
         options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
         self.transfer: TransferBackend = create_transfer_backend(

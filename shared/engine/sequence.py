@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from shared.grammar.state import GrammarState
 from shared.kvcache.tables import BlockTable, SwappedBlocks
 from shared.sampling.params import SamplingParams
 from shared.speculative.proposer import Draft
@@ -45,6 +46,8 @@ class Sequence:
     # each step, never carried over.
     draft: Draft | None = None
     draft_method: str | None = None
+    # Structured output: where the output stands in its grammar (None: free text).
+    grammar: GrammarState | None = None
 
     @property
     def num_draft_tokens(self) -> int:
