@@ -59,28 +59,25 @@ def http(server):
         yield http
 
 
-def test_chat_json_schema_output_validates(client):
-    reply = client.chat.completions.create(
+def _greedy_json_chat(client: openai.OpenAI, stream: bool):
+    return client.chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
         temperature=0,
         max_tokens=48,
         response_format=JSON_SCHEMA_FORMAT,
+        stream=stream,
     )
-    choice = reply.choices[0]
+
+
+def test_chat_json_schema_output_validates(client):
+    choice = _greedy_json_chat(client, stream=False).choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
 def test_streamed_chat_deltas_assemble_to_the_same_json(client):
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        temperature=0,
-        max_tokens=48,
-        response_format=JSON_SCHEMA_FORMAT,
-        stream=True,
-    )
+    stream = _greedy_json_chat(client, stream=True)
     text, reasons = "", []
     for chunk in stream:
         if chunk.choices:
