@@ -6,11 +6,11 @@ generated (migration, a first token sampled by the prefill replica); cut by max_
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
 
+from services.bench.structured_bench import load_schemas
 from shared.engine.config import EngineConfig
 from shared.engine.constraints import OutputConstraints, fit_drafts_to_grammar
 from shared.engine.engine import Engine, RequestError
@@ -22,9 +22,7 @@ from tests.spec_helpers import OracleProposer
 
 pytestmark = pytest.mark.real_model
 
-SCHEMAS: dict[str, dict] = json.loads(
-    (Path(__file__).parent / "data" / "structured_schemas.json").read_text()
-)
+SCHEMAS: dict[str, dict] = load_schemas()
 MAX_TOKENS = 64
 FREE_TEXT = ["Name three colours.", "What is the capital of France?"]
 
