@@ -165,6 +165,20 @@ def test_speculative_decoding_keeps_constrained_greedy_output(
     assert stats["accepted_tokens"] > 0, stats
 
 
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_sampled_constrained_output_validates_with_and_without_speculation(
+    real_model, real_tokenizer, method
+):
+    """Temperature and top-p draw only among the tokens the mask leaves; with n-gram drafts
+    the acceptance test runs on the masked distribution."""
+    names = ["sentiment", "intent", "safety", "refs"]
+    params = [_structured(SCHEMAS[n], temperature=0.8, top_p=0.95, seed=3) for n in names]
+    engine = _engine(real_model, real_tokenizer, speculative_method=method)
+    outputs, reasons = _run(engine, [_schema_prompt(real_tokenizer, n) for n in names], params)
+    for name, ids, reason in zip(names, outputs, reasons, strict=True):
+        _assert_valid(real_tokenizer, name, SCHEMAS[name], ids, reason)
+
+
 def test_drafts_are_cut_at_the_first_token_the_grammar_refuses(real_tokenizer):
     constraints = OutputConstraints(real_tokenizer)
     params = _structured(SCHEMAS["person"])
