@@ -52,7 +52,10 @@ PARTS = (
     "prefill_queue",
     "prefill_compute",
     "first_token_after_sample",
+    "prefill_send",
+    "rpc_to_coordinator",
     "coordinator_relay",
+    "client_delivery",
     "transfer",
     "transfer_end_after_first_token",
     "decode_kv_wait",
@@ -179,10 +182,19 @@ def breakdown(client: ClientSide, spans: list[SpanRecord]) -> dict[str, float | 
         out["prefill_compute"] = (chunks[-1].end_ns - chunks[0].start_ns) * ms
         if first_ns is not None:
             out["first_token_after_sample"] = (first_ns - chunks[-1].end_ns) * ms
+    # first_token_after_sample in four legs: out of the prefill replica, over its RPC, through
+    # the coordinator, and over HTTP into the client's parsed stream.
+    sent = _event_ns(prefill, A.EVENT_FIRST_TOKEN)
     relay_from = _event_ns(prefill_call, A.EVENT_FIRST_TOKEN)
     relay_to = _event_ns(root, A.EVENT_FIRST_TOKEN)
+    if sent is not None and chunks:
+        out["prefill_send"] = (sent - chunks[-1].end_ns) * ms
+    if sent is not None and relay_from is not None:
+        out["rpc_to_coordinator"] = (relay_from - sent) * ms
     if relay_from is not None and relay_to is not None:
         out["coordinator_relay"] = (relay_to - relay_from) * ms
+    if relay_to is not None and first_ns is not None:
+        out["client_delivery"] = (first_ns - relay_to) * ms
     if transfer is not None:
         out["transfer"] = (transfer.end_ns - transfer.start_ns) * ms
         if first_ns is not None:
