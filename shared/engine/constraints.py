@@ -41,6 +41,12 @@ class OutputConstraints:
                 self._compiler = GrammarCompiler(self.tokenizer, self.cache_size)
             return self._compiler
 
+    def warm(self) -> None:
+        """Build the grammar vocabulary now (a worker does it at startup, on a helper
+        thread), so that the first structured request pays only for its own schema."""
+        if self.tokenizer is not None:
+            _ = self.compiler
+
     def compile(self, spec: StructuredOutput) -> None:
         """Compile (or find cached) `spec`'s grammar; safe off the engine thread."""
         try:
