@@ -42,7 +42,7 @@ def _structured(schema: dict, **overrides) -> SamplingParams:
 
 
 def _engine(model, tokenizer, **overrides) -> Engine:
-    cfg = dict(num_blocks=512, block_size=16, max_num_batched_tokens=512, max_num_seqs=32)
+    cfg = dict(num_blocks=256, block_size=16, max_num_batched_tokens=512, max_num_seqs=32)
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
 
