@@ -119,10 +119,14 @@ async def _one(http: httpx.AsyncClient, url: str, messages: list[dict], max_toke
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         seen = ClientSide(resp.headers.get(TRACE_ID_HEADER, ""), sent)
-        async for line in resp.aiter_lines():
+        # A token's time is when its bytes arrive, taken before any parsing: the client's
+        # own line splitting and JSON decoding are not the server's delivery.
+        arrived: list[tuple[int, bytes]] = []
+        async for raw in resp.aiter_raw():
+            arrived.append((time.time_ns(), raw))
+        for now, line in _sse_lines(arrived):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            now = time.time_ns()
             data = json.loads(line[6:])
             if "error" in data:
                 raise RuntimeError(f"stream error: {data['error']}")
@@ -137,6 +141,16 @@ async def _drive(base_url: str, prompts: list[list[dict]], max_tokens: int) -> l
     url = f"{base_url}/chat/completions"
     async with httpx.AsyncClient() as http:
         return [await _one(http, url, messages, max_tokens) for messages in prompts]
+
+
+def _sse_lines(arrived: list[tuple[int, bytes]]):
+    """(arrival ns of the bytes that completed it, line) for each line of the stream."""
+    pending = b""
+    for now, raw in arrived:
+        pending += raw
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield now, line.decode().rstrip("\r")
 
 
 def _event_ns(span: SpanRecord | None, name: str) -> int | None:

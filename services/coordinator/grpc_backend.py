@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -34,6 +34,8 @@ from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
 from shared.telemetry.rpc_spans import describe_route
 from shared.wire.convert import params_to_proto
+
+S = TypeVar("S")
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,8 @@ class GrpcBackend:
         }
         return {"ready": self.registry.is_ready(), "workers": workers}
 
-    def _channel(self, worker: WorkerInfo) -> grpc.aio.Channel:
-        return self._channels.get(worker.address)
+    def _stub(self, worker: WorkerInfo, kind: Callable[[grpc.aio.Channel], S]) -> S:
+        return self._channels.stub(worker.address, kind)
 
     async def close(self) -> None:
         if self._background:  # aborts still on their way out
@@ -113,7 +115,7 @@ class GrpcBackend:
         )
         attempt = PairAttempt(
             self.registry,
-            self._channel,
+            self._stub,
             self._tracer,
             decision,
             spec,

@@ -156,7 +156,7 @@ class GenerationHandler:
                             request, self.admission.acquire(model.id, tier)
                         )
                 loop = RetryLoop(self.backend, policy, model.tokenizer)
-                streams = ChoiceStreams(loop, prepared.requests)
+                streams = ChoiceStreams(loop, prepared.requests, hold_first=prepared.stream)
                 if prepared.stream:
                     first = await until_disconnect(request, streams.next())
                 else:
@@ -178,7 +178,7 @@ class GenerationHandler:
         fmt = spec.format(prepared, state)
         if prepared.stream:
             events = self._events(prepared, streams, first, state, fmt, progress, ticket)
-            return SSEResponse(events, headers=headers)
+            return SSEResponse(events, headers=headers, on_close=lambda: _close(streams, ticket))
         ticket.release()
         self._finish(progress, endpoint, state, 200)
         return JSONResponse(fmt.response(), headers=headers)
@@ -207,10 +207,16 @@ class GenerationHandler:
             event = first
             while event is not None:
                 index, chunk = event
-                self._observe(progress, index, chunk)
                 state.add(index, chunk)
-                for payload in fmt.stream_chunks(index, chunk):
-                    yield sse(payload)
+                # One write for all of a chunk's events (the opening role chunk and the first
+                # token travel together).
+                x = "".join(sse(payload) for payload in fmt.stream_chunks(index, chunk))
+                if x:
+                    yield x
+                # Written: the token's time is taken now, and its choice's backend goes on.
+                self._observe(progress, index, chunk)
+                if chunk.token_ids:
+                    streams.written(index)
                 event = await streams.next()
             _check_finished(state)
             if prepared.include_usage:

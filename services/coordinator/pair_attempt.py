@@ -1,20 +1,20 @@
 """One attempt at serving a request on one (prefill, decode) pair of replicas.
 
 Disaggregated: Prefill on the prefill replica streams the first token the moment it is
-sampled, and the attempt yields it and opens Decode on the decode replica at once, while the
-prefill replica pushes the KV there (the decode replica waits for it, or prefills locally if
-it never lands); the push's outcome is read in the background and reported with the stream
-(`metadata.transfer`, at the latest on the finished chunk). Local prefill (colocated `both`
-replicas, or a decode replica that prefills the tail itself): one Decode call. The attempt
-yields the workers' chunks as they come; text, stop strings and counters across attempts are
-the retry loop's.
+sampled, and the attempt yields it, then (once it is on its way to the client) opens Decode
+on the decode replica, while the prefill replica pushes the KV there (the decode replica
+waits for it, or prefills locally if it never lands); the push's outcome is read in the
+background and reported with the stream (`metadata.transfer`, at the latest on the finished
+chunk). Local prefill (colocated `both` replicas, or a decode replica that prefills the tail
+itself): one Decode call. The attempt yields the workers' chunks as they come; text, stop
+strings and counters across attempts are the retry loop's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +26,7 @@ from services.coordinator.backend import (
     GenerationChunk,
     ReplicaLost,
 )
-from services.coordinator.prefill_call import LOST_CODES, PrefillCall
+from services.coordinator.prefill_call import LOST_CODES, PrefillCall, StubSource
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision
 from shared.proto_gen import worker_pb2 as pb
@@ -43,7 +43,7 @@ class PairAttempt:
     def __init__(
         self,
         registry: WorkerRegistry,
-        channel: Callable[[WorkerInfo], grpc.aio.Channel],
+        stubs: StubSource,
         tracer: trace.Tracer,
         decision: RoutingDecision,
         spec: pb.GenerateSpec,
@@ -51,7 +51,7 @@ class PairAttempt:
         background: set[asyncio.Task],
     ):
         self.registry = registry
-        self._channel = channel
+        self._stubs = stubs
         self._tracer = tracer
         self.decision = decision
         self.spec = spec
@@ -59,7 +59,7 @@ class PairAttempt:
         self._background = background  # keeps fire-and-forget aborts referenced
 
     def _stub(self, worker: WorkerInfo) -> pb_grpc.WorkerStub:
-        return pb_grpc.WorkerStub(self._channel(worker))
+        return self._stubs(worker, pb_grpc.WorkerStub)
 
     async def run(self) -> AsyncIterator[GenerationChunk]:
         """Yields chunks until one is finished. Raises ReplicaLost when a replica dies,
@@ -77,7 +77,7 @@ class PairAttempt:
             if prefill is not None:
                 call = PrefillCall(
                     self.registry,
-                    self._channel,
+                    self._stubs,
                     self._tracer,
                     prefill,
                     decode,
@@ -89,15 +89,16 @@ class PairAttempt:
                 first = await call.first_token()
                 first_token, prefill_cached = first.token_ids[0], first.num_cached_tokens
                 finished = first.finished
-                if not finished:
-                    # Both go on while the client reads the token: the push, and Decode
-                    # (opened now, not when the client asks for more: its replica starts
-                    # waiting for the KV at once).
-                    call.watch_transfer()
-                    decoding = self._open_decode(decode, first_token)
                 yield first
                 if finished:  # nothing was pushed: the first token ended the request
                     return
+                # The token is on its way to the client (a streaming client's pump resumes
+                # this only once it is written): Decode opens now, its replica starts waiting
+                # for the KV the prefill replica is already pushing, and the push's outcome
+                # is read in the background. Opening Decode first would put its cost (a
+                # span, a call, their cold Python) in front of the first token.
+                decoding = self._open_decode(decode, first_token)
+                call.watch_transfer()
             if decoding is None:
                 decoding = self._open_decode(decode, None)
             unreported = call

@@ -42,13 +42,15 @@ _ABORT_TIMEOUT_S = 2.0
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 Failure = Callable[[WorkerInfo, grpc.aio.AioRpcError], Exception]
+# (replica, generated stub class) -> that replica's cached stub of that class.
+StubSource = Callable[[WorkerInfo, Callable[[grpc.aio.Channel], Any]], Any]
 
 
 class PrefillCall:
     def __init__(
         self,
         registry: WorkerRegistry,
-        channel: Callable[[WorkerInfo], grpc.aio.Channel],
+        stubs: StubSource,
         tracer: trace.Tracer,
         prefill: WorkerInfo,
         decode: WorkerInfo,
@@ -58,14 +60,14 @@ class PrefillCall:
         background: set[asyncio.Task],
     ):
         self.registry = registry
-        self._channel = channel
+        self._stubs = stubs
         self.prefill = prefill
         self.decode = decode
         self.spec = spec
         self._failure = failure
         self._background = background
         self._span = RpcSpan(tracer, A.SPAN_PREFILL, "Prefill", prefill.worker_id, prefill.address)
-        self._call = pb_grpc.WorkerStub(channel(prefill)).Prefill(
+        self._call = stubs(prefill, pb_grpc.WorkerStub).Prefill(
             pb.PrefillRequest(
                 spec=spec,
                 destination=pb.KVDestination(
@@ -178,7 +180,7 @@ class PrefillCall:
 
     def _abort_receive(self, reason: str) -> None:
         """The KV will not come: the decode replica's Decode call prefills locally now."""
-        stub = kv_grpc.KvTransferControlStub(self._channel(self.decode))
+        stub = self._stubs(self.decode, kv_grpc.KvTransferControlStub)
         request = kv_pb.AbortRequest(request_id=self.spec.request_id, reason=reason)
 
         async def abort() -> None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -34,11 +33,16 @@ class ChoiceStreams:
 
     `next()` raises the first backend error; `close()` (synchronous, so it is safe inside a
     cancelled scope) cancels the pumps, which closes their iterators and aborts the requests.
+
+    Streaming (`hold_first`), a choice's pump waits after its first token until the caller
+    says it is written (`written(index)`): what the backend does next (opening Decode, reading
+    the transfer's outcome) would otherwise run first, and the first token would wait for it.
     """
 
-    def __init__(self, loop: RetryLoop, requests: list[GenerationRequest]):
+    def __init__(self, loop: RetryLoop, requests: list[GenerationRequest], hold_first: bool):
         self._events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._pending = len(requests)
+        self._written = [asyncio.Event() for _ in requests] if hold_first else None
         self._tasks = [
             asyncio.create_task(self._pump(i, loop, req), name=f"pump-{req.request_id}")
             for i, req in enumerate(requests)
@@ -57,6 +61,11 @@ class ChoiceStreams:
             return index, item
         return None
 
+    def written(self, index: int) -> None:
+        """The caller has written choice `index`'s first token: its pump may go on."""
+        if self._written is not None:
+            self._written[index].set()
+
     def close(self) -> None:
         for task in self._tasks:
             if not task.done():
@@ -64,9 +73,13 @@ class ChoiceStreams:
 
     async def _pump(self, index: int, loop: RetryLoop, req: GenerationRequest) -> None:
         stream = loop.generate(req)
+        held = self._written[index] if self._written is not None else None
         try:
             async for chunk in stream:
                 self._events.put_nowait((index, chunk))
+                if held is not None and chunk.token_ids:
+                    await held.wait()
+                    held = None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -118,23 +131,56 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(content, headers=headers)
+        # Runs however the response ends, even if the body never started (a client gone
+        # before the headers were written): closing an unstarted generator runs none of its
+        # cleanup, and the backend streams it owns would wait on it for ever.
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The stream is written from this task at once (the first token is in its first
+        # chunk); a side task listens for the disconnect and cancels it. Plain asyncio: an
+        # anyio task group here cost more than the rest of the first token's relay.
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        gone = asyncio.Event()
+
+        async def listen() -> None:
+            await self.listen_for_disconnect(receive)
+            gone.set()
+            streaming.cancel()
+
+        listener = asyncio.create_task(listen())
         try:
-            async with anyio.create_task_group() as group:
-
-                async def stream() -> None:
-                    await self.stream_response(send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
-        except* OSError:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise  # cancelled from outside (shutdown): not ours to swallow
+            streaming.uncancel()
+        except OSError:
             pass  # the write failed because the client is gone: same as a disconnect
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            listener.cancel()
+            # The body's cleanup aborts the backend requests; it never waits on the network.
+            await _close_quietly(self.body_iterator, streaming, gone)
+            if self._on_close is not None:
+                self._on_close()
+
+
+async def _close_quietly(body: AsyncIterator[str], task: asyncio.Task, gone: asyncio.Event) -> None:
+    try:
+        await body.aclose()  # type: ignore[attr-defined]
+    except asyncio.CancelledError:
+        # The listener's cancel landed just as the stream ended on its own: it was for a
+        # stream that is over, not for whoever awaits this task.
+        if not gone.is_set():
+            raise
+        task.uncancel()
+        await body.aclose()  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ class PrefillService:
         self._background: set[asyncio.Task] = set()  # aborts sent on cancellation
 
     def _client(self, address: str) -> KvTransferControlClient:
-        return KvTransferControlClient(self._channels.get(address))
+        return self._channels.stub(address, KvTransferControlClient)
 
     async def close(self) -> None:
         await self._channels.close()

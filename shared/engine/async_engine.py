@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _IDLE_WAIT_S = 0.05
+# After a step that leaves the engine idle (a prefill's first token, a reply's last), the
+# event loop thread needs the GIL to send the outputs: the engine thread waits this long for
+# commands (holding no GIL) before it runs the step's observers.
+_HANDOFF_S = 0.001
 
 
 class EngineStepError(RuntimeError):
@@ -140,7 +144,7 @@ class AsyncEngine:
             if self._stop.is_set() or not self.engine.has_work:
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(defer_observers=True)
             except Exception as exc:  # a bug: fail the requests of this step, keep serving
                 log.exception("engine step failed")
                 self.num_failed_steps += 1
@@ -150,14 +154,15 @@ class AsyncEngine:
             self.steps += 1
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if outputs and not self.engine.has_work:
+                self._drain(block=True, timeout=_HANDOFF_S)
+            self.engine.notify_observers()
         # Stopping: whoever still waits on a stream hears why instead of hanging.
         self._fail_all("the engine is shutting down")
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout: float = _IDLE_WAIT_S) -> None:
         try:
-            command = (
-                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-            )
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -114,6 +114,7 @@ class Engine:
         # Called on the engine thread after every non-empty step with (batch, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
         self.step_observers: list[Callable[[StepBatch, int, int], None]] = []
+        self._unobserved: tuple[StepBatch, int, int] | None = None  # see `step`
 
     # -- requests ------------------------------------------------------------------------
 
@@ -280,7 +281,11 @@ class Engine:
 
     # -- the step loop -------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, defer_observers: bool = False) -> list[RequestOutput]:
+        """One scheduled step. With `defer_observers` its observers run at the caller's
+        `notify_observers()`: a driver hands the outputs on first, so no token waits for
+        the step's telemetry."""
+        self.notify_observers()  # a deferred step nobody notified is still observed, once
         start_ns = time.time_ns()
         if self.speculator.enabled:
             self.speculator.attach_drafts(self.scheduler.running)
@@ -300,10 +305,17 @@ class Engine:
             self.speculator.observe_step(batch.num_batched_tokens, time.perf_counter() - run_start)
         outputs = self._postprocess(batch, result)
         if self.step_observers:
-            end_ns = time.time_ns()
-            for observe in self.step_observers:
-                observe(batch, start_ns, end_ns)
+            self._unobserved = (batch, start_ns, time.time_ns())
+            if not defer_observers:
+                self.notify_observers()
         return outputs
+
+    def notify_observers(self) -> None:
+        """Runs the step observers of the last step, if `step` deferred them (idempotent)."""
+        observation, self._unobserved = self._unobserved, None
+        if observation is not None:
+            for observe in self.step_observers:
+                observe(*observation)
 
     def _postprocess(self, batch: StepBatch, result: StepResult) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

@@ -50,20 +50,15 @@ class RpcSpan:
             },
         )
         self.metadata = grpc_metadata(self.span)
+        self._first: tuple[int, int, int] | None = None
         self._ended = False
         self._tokens = 0
 
     def record_first_token(self, first) -> None:
-        """A PrefillFirstToken: the prompt's tokens, cached ones, and when the token came."""
-        if not self.span.is_recording():
-            return
-        self.span.set_attributes(
-            {
-                A.USAGE_INPUT_TOKENS: first.num_prompt_tokens,
-                A.CACHED_TOKENS: first.num_cached_tokens,
-            }
-        )
-        self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
+        """A PrefillFirstToken: when it came now; the prompt's tokens and cached ones go on
+        the span when it ends (setting them here would delay the token's relay)."""
+        if self.span.is_recording():
+            self._first = (first.num_prompt_tokens, first.num_cached_tokens, time.time_ns())
 
     def record_transfer(self, t) -> None:
         """The TransferOutcome that ends a Prefill stream."""
@@ -106,4 +101,9 @@ class RpcSpan:
     def end(self) -> None:
         if not self._ended:
             self._ended = True
+            if self._first is not None:
+                prompt_tokens, cached, first_ns = self._first
+                attributes = {A.USAGE_INPUT_TOKENS: prompt_tokens, A.CACHED_TOKENS: cached}
+                self.span.set_attributes(attributes)
+                self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=first_ns)
             self.span.end()

@@ -83,7 +83,11 @@ class _CallTrace(ABC):
                 self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         if self.recording and self.timeline is not None:
             self._engine_spans(self.timeline)
+        self._before_end()
         self.span.end()
+
+    def _before_end(self) -> None:  # noqa: B027 - most calls keep nothing for the end
+        """What a call kept off its hot path to put on its span at the end."""
 
     @abstractmethod
     def _engine_spans(self, timeline: RequestTimeline) -> None:
@@ -127,11 +131,18 @@ class PrefillTrace(_CallTrace):
 
     def __init__(self, owner: WorkerTracing, request: pb.PrefillRequest, metadata):
         super().__init__(owner, request.spec, metadata)
+        self._first: tuple[pb.PrefillFirstToken, int] | None = None
 
     def record_first_token(self, first: pb.PrefillFirstToken) -> None:
-        """The first token, as it leaves for the coordinator (the push starts after)."""
-        if not self.recording:
+        """The first token, as it leaves for the coordinator (the push starts after): its
+        time now, its attributes when the call ends (they would delay the token)."""
+        if self.recording:
+            self._first = (first, time.time_ns())
+
+    def _before_end(self) -> None:
+        if self._first is None:
             return
+        first, sent_ns = self._first
         cached = first.num_cached_tokens
         self.span.set_attributes(
             {
@@ -141,7 +152,7 @@ class PrefillTrace(_CallTrace):
                 A.RESPONSE_FINISH_REASONS: [first.finish_reason] if first.finished else [],
             }
         )
-        self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
+        self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=sent_ns)
 
     def record_transfer(self, t: pb.TransferOutcome) -> None:
         """The KV push's outcome: its span ends now (the push was the call's last part)."""

@@ -137,15 +137,19 @@ def greedy_request(rid: str):
 
 async def run_ordered(fleet: Fleet, gates: Gates, rid: str, release) -> list:
     """Streams `rid`; once the client has its first token, `release(rid)` opens the gates
-    in the order the scenario wants."""
+    in the order the scenario wants, while the client asks for more (as the HTTP layer's
+    pump does once the token is written: only then does the attempt open Decode)."""
     chunks: list = []
+    releasing: asyncio.Task | None = None
     stream = fleet.loop.generate(greedy_request(rid))
     async with contextlib.aclosing(stream):
         async for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 1:
                 gates.events.append("client_first_token")
-                await release(rid)
+                releasing = asyncio.create_task(release(rid))
+    assert releasing is not None
+    await releasing
     return chunks
 
 
@@ -345,12 +349,17 @@ def test_client_leaving_during_the_transfer_frees_every_block(
         stream = fleet.loop.generate(greedy_request("leaver"))
         async with contextlib.aclosing(stream):
             first = await anext(stream)
+            # The client asks for more (the token is written): the attempt opens Decode.
+            more = asyncio.ensure_future(anext(stream))
             await until(
                 lambda: (
                     arrivals.waiting("leaver") == 1 and arrivals.stage("leaver") is Stage.RECEIVING
                 ),
                 "the Decode call waits on a prepared receive",
             )
+            more.cancel()  # as the HTTP layer cancels its pump when the client goes
+            with contextlib.suppress(asyncio.CancelledError):
+                await more
         # The stream is closed: the client is gone while its KV was being written.
         await until(lambda: gates.receive_ends, "the receive ends")
         gates.before_send.set()  # the cancelled push must not resurrect anything

@@ -53,7 +53,10 @@ def test_breakdown_of_one_request():
             "prefill_queue": 2,  # server span (3) to the first chunk (5)
             "prefill_compute": 104,  # first chunk (5) to the sampling step's end (109)
             "first_token_after_sample": 4,  # sampled (109) to the client (113)
+            "prefill_send": 1,  # sampled (109) to the token leaving the prefill replica (110)
+            "rpc_to_coordinator": 1,  # left the prefill replica (110) to the coordinator (111)
             "coordinator_relay": 1,  # Prefill message in (111) to the client's chunk out (112)
+            "client_delivery": 1,  # written (112) to the client reading it (113)
             "transfer": 18,
             "transfer_end_after_first_token": 15,  # the push ended (128) after the client (113)
             "decode_kv_wait": 18,
