@@ -93,6 +93,7 @@ _BENCH_MODULES = [
     "services.commands.kernels_cmd",
     "services.commands.router_cmd",
     "services.commands.spec_cmd",
+    "services.commands.structured_cmd",
     "services.commands.tiers_cmd",
     "services.commands.trace_cmd",
     "services.commands.ttft_cmd",

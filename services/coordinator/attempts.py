@@ -86,7 +86,9 @@ class RequestProgress:
         )
         if self.streamed:
             sub.prompt_token_ids = req.prompt_token_ids + self.streamed
-            sub.params = replace(req.params, max_tokens=self.remaining_tokens)
+            # Fewer tokens left to generate; a structured output's grammar state is rebuilt
+            # on the new replica from the tokens already streamed.
+            sub.params = req.params.continued(len(self.streamed))
             # Prompt logprobs are the client's prompt's: asked of an attempt that starts it.
             sub.prompt_logprobs = False
         return attempt, sub

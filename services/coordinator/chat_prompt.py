@@ -18,8 +18,9 @@ template carries:
 `tool_choice`: "none" renders no tools (the model is not to call one; calls and results in
 the history are still rendered) and parses nothing; "auto" (the default with tools) renders
 them and parses calls from the output (`tool_calls`). "required" and a named function
-promise a call whose arguments match the schema, which takes grammar-constrained decoding
-this build does not have: refused with a 400, never served as free text.
+promise a call whose arguments match the schema: the tools are rendered as for "auto", and
+the reply is constrained by a grammar to the call's JSON (`tool_constraint`, enforced by the
+workers), read back whole when it ends.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 from services.coordinator.errors import APIError, bad_request
 from services.coordinator.schemas import ChatCompletionRequest, ChatMessage
 from services.coordinator.tool_calls import CLOSE, OPEN, ToolCallParsing
+from shared.sampling.structured import StructuredOutput
+from shared.sampling.tool_call_schema import ToolChoiceError, tool_call_output
 from shared.tokenizer.chat_template import TEXT_PART_SEPARATOR
 from shared.tokenizer.tokenizer import Tokenizer
 
@@ -49,12 +52,14 @@ ONE_CALL = "\nCall at most one function per reply."
 class ChatPrompt:
     text: str
     tool_parsing: ToolCallParsing | None  # None: the output is not parsed for calls
+    # `tool_choice` "required" or a named function: the grammar the reply must follow.
+    tool_constraint: StructuredOutput | None = None
 
 
 def render_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPrompt:
     """The prompt text and how to read the reply; a 400 naming the field for bad input."""
     _check_messages(body.messages)
-    offered = _offered_tools(body)
+    offered, forced = _offered_tools(body)
     native = tokenizer.chat_template_supports_tools
     arguments = _call_arguments(body.messages)
     if native:
@@ -69,11 +74,19 @@ def render_chat(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatPrompt
         )
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
-    parsing = None
+    parsing, constraint = None, None
     if offered:
         names = frozenset(t["function"]["name"] for t in offered)
-        parsing = ToolCallParsing(names, body.parallel_tool_calls)
-    return ChatPrompt(text, parsing)
+        parsing = ToolCallParsing(names, body.parallel_tool_calls, forced=forced)
+    if forced:
+        choice = body.tool_choice
+        if not isinstance(choice, str):
+            choice = {"type": "function", "function": dict(choice.function)}
+        try:
+            constraint = tool_call_output(offered, choice, parallel=body.parallel_tool_calls)
+        except ToolChoiceError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+    return ChatPrompt(text, parsing, constraint)
 
 
 def _check_messages(messages: list[ChatMessage]) -> None:
@@ -99,13 +112,14 @@ def _check_messages(messages: list[ChatMessage]) -> None:
             call_ids.add(call.id)
 
 
-def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The tools to render (OpenAI's shape), after checking `tool_choice` against them."""
+def _offered_tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], bool]:
+    """The tools to render (OpenAI's shape), after checking `tool_choice` against them, and
+    whether the reply must be a call (required or named: enforced by a grammar)."""
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
             raise bad_request("tool_choice is only allowed when tools are specified", "tool_choice")
-        return []
+        return [], False
     if isinstance(choice, str) or choice is None:
         mode = choice or "auto"
     else:
@@ -115,15 +129,13 @@ def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                 f"tool_choice names function {name!r}, which is not in tools", "tool_choice"
             )
         mode = "named"
-    if mode in ("required", "named"):
-        what = "a required tool call" if mode == "required" else "a named tool choice"
-        raise _needs_grammar(what, "tool_choice")
     if mode == "none":
-        return []
+        return [], False
+    forced = mode in ("required", "named")
     for i, tool in enumerate(body.tools):
-        if tool.function.strict:  # arguments guaranteed to match the schema
-            raise _needs_grammar("strict function arguments", f"tools[{i}].function.strict")
-    return [tool.model_dump(exclude_none=True) for tool in body.tools]
+        if tool.function.strict and not forced:  # arguments guaranteed to match the schema
+            raise _strict_needs_forcing(f"tools[{i}].function.strict")
+    return [tool.model_dump(exclude_none=True) for tool in body.tools], forced
 
 
 def _call_arguments(messages: list[ChatMessage]) -> dict[int, list[dict[str, Any]]]:
@@ -241,11 +253,12 @@ def _missing(param: str) -> APIError:
     )
 
 
-def _needs_grammar(what: str, param: str) -> APIError:
+def _strict_needs_forcing(param: str) -> APIError:
     return APIError(
         400,
-        f"Unsupported value: {what} needs grammar-constrained decoding, which this build does "
-        "not have; use tool_choice 'auto' (calls parsed from the output) or 'none'.",
+        "Unsupported value: strict function arguments are enforced when the reply must be a "
+        "call (tool_choice 'required' or a named function); with 'auto' the model may answer "
+        "in text, which no grammar constrains.",
         param=param,
         code="unsupported_value",
     )

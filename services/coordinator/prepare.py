@@ -22,6 +22,7 @@ from services.coordinator.service_tiers import resolve_tier, tier_priority
 from services.coordinator.settings import APISettings
 from services.coordinator.tool_calls import ToolCallParsing
 from shared.sampling.params import MAX_SEED, SamplingParamError, SamplingParams
+from shared.sampling.structured import StructuredOutput, StructuredOutputError, canonical_json
 
 Endpoint = Literal["chat", "completion"]
 
@@ -87,6 +88,7 @@ def prepare_chat(
         logprobs=logprobs,
         names={"max_tokens": limit_param, "logprobs": "top_logprobs"},
         tier=tier,
+        constraint=chat.tool_constraint,
     )
     prepared.tool_parsing = chat.tool_parsing
     return prepared
@@ -152,6 +154,7 @@ def _build(
     names: dict[str, str],
     prompt_logprobs: bool = False,
     tier: str | None = None,
+    constraint: StructuredOutput | None = None,
 ) -> PreparedRequest:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -171,13 +174,22 @@ def _build(
         )
     # The caller resolves `auto` against the API key; without one, as at OpenAI.
     tier = tier or resolve_tier(body.service_tier)
+    structured = _structured_output(body)
+    if constraint is not None:  # a forced tool call: its grammar is the reply's
+        if structured is not None:
+            raise bad_request(
+                "response_format cannot be combined with a required or named tool_choice: "
+                "the reply is the tool call",
+                "response_format",
+            )
+        structured = constraint
     response_id = f"{id_prefix}-{uuid.uuid4().hex}"
     context = model.context_length
     requests: list[GenerationRequest] = []
     for prompt in prompts:
         max_tokens = _max_tokens(prompt, context, requested, default_max, prompt_param, limit_param)
         for copy in range(n):
-            params = _sampling_params(body, max_tokens, logprobs, copy, names)
+            params = _sampling_params(body, max_tokens, logprobs, copy, names, structured)
             index = len(requests)
             requests.append(
                 GenerationRequest(
@@ -206,6 +218,29 @@ def _build(
         logprobs=logprobs,
         param_names={**names, "prompt": prompt_param},
     )
+
+
+def _structured_output(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """`response_format` as the workers' constraint; the shape is checked here, the schema
+    itself where it is compiled (a worker's refusal is a 400 on `response_format`)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise bad_request(
+                "json_schema is only allowed with type 'json_schema'", "response_format.json_schema"
+            )
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json_object")
+    if fmt.json_schema is None:
+        raise bad_request(
+            "response_format of type 'json_schema' needs a 'json_schema' object",
+            "response_format.json_schema",
+        )
+    try:
+        return StructuredOutput("json_schema", canonical_json(fmt.json_schema.schema_))
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), "response_format.json_schema.schema") from exc
 
 
 def _max_tokens(
@@ -247,6 +282,7 @@ def _sampling_params(
     logprobs: int | None,
     copy: int,
     names: dict[str, str],
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
     given = {
         name: getattr(body, name)
@@ -274,6 +310,7 @@ def _sampling_params(
             max_tokens=max_tokens,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            structured=structured,
         )
     except SamplingParamError as exc:
         param = names.get(exc.param, exc.param)

@@ -77,6 +77,7 @@ class RetryLoop:
             progress,
             TextTracker(IncrementalDetokenizer(self.tokenizer), req.params.stop),
             list(policy.reasoning),
+            self.tokenizer.stop_token_ids | frozenset(req.params.stop_token_ids),
         )
         index, reason = 0, "first"
         lost: ReplicaLost | None = None  # the last replica lost, while migrating
@@ -181,10 +182,17 @@ class _ClientStream:
     metadata of the attempt that streamed the first token (its prompt is the client's, so its
     cache hits, prompt logprobs and transfer are the ones to report)."""
 
-    def __init__(self, progress: RequestProgress, tracker: TextTracker, reasoning: list[str]):
+    def __init__(
+        self,
+        progress: RequestProgress,
+        tracker: TextTracker,
+        reasoning: list[str],
+        stop_token_ids: frozenset[int],
+    ):
         self.progress = progress
         self.tracker = tracker
         self.reasoning = reasoning
+        self.stop_token_ids = stop_token_ids  # hidden when a backend's "stop" ends on one
         self._origin: Attempt | None = None
         self._num_cached = 0
         self._annotated_head = False  # the client's first token has gone out, annotated
@@ -227,9 +235,16 @@ class _ClientStream:
                 self.reasoning.append(line)
 
     def _finish_chunk(self, chunk: GenerationChunk) -> GenerationChunk:
-        add_text(chunk, self.tracker)  # a stop string finishes it: the loop then returns
+        # A stop string finishes it: the loop then returns.
+        add_text(chunk, self.tracker, self.stop_token_ids)
         if not chunk.finished:
             chunk.finish_reason = None
+        elif chunk.finish_reason == "length" and self.progress.request.params.structured:
+            # The grammar ends a complete value with "stop"; "length" means it is cut off.
+            self.reasoning.append(
+                "response_format: max_tokens ran out before the output was complete; it "
+                "does not match the requested format"
+            )
         chunk.num_prompt_tokens = len(self.progress.request.prompt_token_ids)
         chunk.num_cached_tokens = self._num_cached
         self._last_replica = chunk.replica or self._last_replica

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     PlainValidator,
     StrictBool,
     StrictFloat,
@@ -238,6 +239,36 @@ def _metadata(value: Any) -> dict[str, str] | None:
 Metadata = Annotated[dict[str, str] | None, PlainValidator(_metadata)]
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`, as OpenAI defines it."""
+
+    name: StrictStr
+    description: StrictStr | None = None
+    # `schema` would shadow a BaseModel attribute; the wire name stays `schema`.
+    schema_: dict[str, Any] = Field(alias="schema")
+    # Honoured either way: the grammar enforces the schema whether or not `strict` is set.
+    strict: StrictBool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64 characters.
+        if (
+            not value
+            or len(value) > 64
+            or not all(c.isascii() and (c.isalnum() or c in "_-") for c in value)
+        ):
+            raise _invalid("must be 1 to 64 characters of a-z, A-Z, 0-9, underscores and dashes")
+        return value
+
+
+class ResponseFormat(_Body):
+    """`response_format`: `text` (the default), `json_object` or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationBody(_Body):
     """Fields the two endpoints share."""
 
@@ -264,6 +295,7 @@ class _GenerationBody(_Body):
     models: list[StrictStr] | None = None
     fallback: Fallback | None = None
     metadata: Metadata = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("models")
     @classmethod

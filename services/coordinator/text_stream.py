@@ -5,20 +5,31 @@ tracker, which sets its text delta and ends the reply at a stop string.
 A stop string ends the reply at the token that completed it: the chunk is cut there (token
 ids, logprobs, counters) and marked finished with reason "stop"; the loop then closes the
 backend's stream, which aborts the request on its replicas, so no step is spent on tokens
-nobody will see. A backend's own "stop" is a stop token: it ends the reply, and its text is
-not shown.
+nobody will see. A backend's own "stop" usually ends on a stop token, whose text is not
+shown; a structured output's grammar also ends the reply with "stop" on the token that
+completes the value, which is shown (callers that know the stop tokens pass them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Container
 
 from services.coordinator.backend import GenerationChunk
 from shared.tokenizer.text_tracker import TextTracker
 
 
-def add_text(chunk: GenerationChunk, tracker: TextTracker) -> None:
-    """Sets `chunk.text`; cuts the chunk at the token that completes a stop string."""
+def add_text(
+    chunk: GenerationChunk, tracker: TextTracker, stop_token_ids: Container[int] | None = None
+) -> None:
+    """Sets `chunk.text`; cuts the chunk at the token that completes a stop string.
+    `stop_token_ids`: the tokens a backend's "stop" hides (None: its last token, whatever)."""
     ids = chunk.token_ids
-    stop_token = chunk.finished and chunk.finish_reason == "stop" and bool(ids)
+    stop_token = (
+        chunk.finished
+        and chunk.finish_reason == "stop"
+        and bool(ids)
+        and (stop_token_ids is None or ids[-1] in stop_token_ids)
+    )
     shown = ids[:-1] if stop_token else ids
     if tracker.matcher is None:
         text = tracker.feed(shown)[0] if shown else ""

@@ -34,6 +34,9 @@ class ToolCallParsing:
 
     names: frozenset[str]
     parallel: bool = True
+    # tool_choice "required" or named: the whole reply is the call(s), as JSON the workers'
+    # grammar enforces (shared/sampling/tool_call_schema), read once the reply has ended.
+    forced: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class ToolCallSplitter:
 
     def feed(self, text: str) -> Split:
         self._buffer += text
+        if self.parsing.forced:
+            return Split()  # JSON until the reply ends: nothing is content or a call before
         out = Split()
         while self._buffer:
             if self._in_call:
@@ -125,6 +130,8 @@ class ToolCallSplitter:
 
     def finish(self) -> Split:
         """The rest once the reply ended: an unclosed block or a held prefix is content."""
+        if self.parsing.forced:
+            return self._forced()
         out = Split()
         rest = (OPEN if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
@@ -133,6 +140,20 @@ class ToolCallSplitter:
             out.content += self._blank
         self._blank = ""
         return out
+
+    def _forced(self) -> Split:
+        """A forced reply: the calls, or (cut short by max_tokens) its text as content."""
+        text, self._buffer = self._buffer, ""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return Split(content=text)
+        items = value if isinstance(value, list) else [value]
+        calls = [parse_call(json.dumps(item), self.parsing.names) for item in items]
+        if not calls or any(c is None for c in calls):
+            return Split(content=text)
+        self.calls = [c for c in calls if c is not None]
+        return Split(calls=list(self.calls))
 
     @property
     def _accepts_calls(self) -> bool:

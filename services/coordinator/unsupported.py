@@ -66,12 +66,11 @@ _UNSUPPORTED: dict[Endpoint, dict[str, tuple[Any, ...]]] = {
     "completion": {
         **_COMMON,
         "suffix": ("",),
-        "response_format": (),  # OpenAI's legacy completions endpoint has none
     },
 }
 
-# `response_format` on chat: the types OpenAI defines, and the one served today. JSON output
-# needs grammar-constrained decoding, which is not in this build: refused, never ignored.
+# `response_format`: the types OpenAI defines; JSON output is enforced by the workers'
+# grammar-constrained decoding (shared/grammar).
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
@@ -88,27 +87,18 @@ def refuse_unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
             param=name,
             code="unsupported_parameter",
         )
-    if endpoint == "chat":
-        _check_response_format(body.get("response_format"))
+    _check_response_format(body.get("response_format"))
 
 
 def _check_response_format(value: Any) -> None:
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return  # not an object at all: the schema's own error names the field
+    kind = value.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise bad_request(
             f"Invalid value for 'response_format.type': must be one of "
             f"{', '.join(RESPONSE_FORMAT_TYPES)}, got {kind!r}",
             "response_format.type",
-        )
-    if kind != "text":
-        raise APIError(
-            400,
-            f"Unsupported value: response_format type '{kind}' needs grammar-constrained "
-            "decoding, which this build does not have; only 'text' is served.",
-            param="response_format.type",
-            code="unsupported_value",
         )
 
 

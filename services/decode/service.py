@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import grpc
 
@@ -67,7 +66,7 @@ class DecodeService:
         elif request.kv_transferred:
             # The first token was already streamed from the prefill side but its KV never
             # arrived: continue from prompt + that token so the text stays one sequence.
-            params = replace(params, max_tokens=max(1, params.max_tokens - 1))
+            params = params.continued(1)
 
             def add(engine) -> str:
                 return engine.add_request(
@@ -91,7 +90,7 @@ class DecodeService:
         start = time.perf_counter()
         first = True
         try:
-            async for out in self.runtime.async_engine.generate(add):
+            async for out in self.runtime.async_engine.generate(add, params.structured):
                 now_ms = (time.perf_counter() - start) * 1e3
                 yield pb.DecodeChunk(
                     kv_wait_ms=kv_wait_ms if first else 0.0,

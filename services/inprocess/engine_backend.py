@@ -86,7 +86,9 @@ class EngineBackend:
         try:
             # Leaving early (client gone, stop string) aborts the request: aclosing closes
             # the driver's iterator with this generator, not when it is collected.
-            async with contextlib.aclosing(self.driver.generate(add)) as outputs:
+            async with contextlib.aclosing(
+                self.driver.generate(add, req.params.structured)
+            ) as outputs:
                 async for out in outputs:
                     yield GenerationChunk(
                         token_ids=list(out.new_token_ids),

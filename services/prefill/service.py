@@ -78,7 +78,7 @@ class PrefillService:
 
         first = None
         try:
-            async for out in self.runtime.async_engine.generate(add):
+            async for out in self.runtime.async_engine.generate(add, params.structured):
                 first = out
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.param}: {exc}")

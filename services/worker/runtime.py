@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import socket
+import threading
 import time
 from collections import OrderedDict
 
@@ -130,6 +131,12 @@ class WorkerRuntime:
         self.engine.format_choice = self.format_choice  # shown in Stats and /metrics
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
+            # Structured outputs: grammars are compiled against the model's own vocabulary,
+            # whose token trie is built now, off the engine thread (~0.3 s).
+            self.engine.constraints.tokenizer = self.tokenizer
+            threading.Thread(
+                target=self.engine.constraints.warm, name="grammar-vocabulary", daemon=True
+            ).start()
         self.async_engine = AsyncEngine(self.engine)
         options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
         self.transfer: TransferBackend = create_transfer_backend(

@@ -117,6 +117,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "parked_kv": rt.arrivals.num_parked,
             "kv_receiving": rt.arrivals.count(Stage.RECEIVING),
             "speculative": rt.engine.spec_stats(),
+            "structured": rt.engine.structured_stats(),
             "weights": rt.engine.weights_report(),
         }
         return pb.StatsResponse(json=json.dumps(stats, default=str))

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from shared.engine.engine import Engine
 from shared.engine.output import RequestOutput
+from shared.sampling.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,13 +77,20 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
-    async def generate(self, add: Callable[[Engine], str]) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, add: Callable[[Engine], str], structured: StructuredOutput | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Add a request with `add(engine) -> request_id` and stream its outputs.
 
-        Leaving the iterator early (client gone, cancellation) aborts the request.
+        `structured`: the request's output constraint, whose grammar is compiled here on a
+        helper thread first, so that a new schema never stalls the step loop (the engine
+        thread then finds it cached). Leaving the iterator early (client gone,
+        cancellation) aborts the request.
         """
         if not self.running:
             raise EngineStepError("the engine thread is not running")
+        if structured is not None:
+            await asyncio.to_thread(self.engine.constraints.compile, structured)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 

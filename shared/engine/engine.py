@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.constraints import OutputConstraints, fit_drafts_to_grammar
+from shared.engine.errors import RequestError
 from shared.engine.model_setup import load_serving_model
 from shared.engine.output import RequestOutput
 from shared.engine.runner import ModelRunner, StepResult
@@ -29,14 +31,6 @@ from shared.speculative.proposer import DraftProposer
 from shared.speculative.verify import Verified
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.wire.records import WorkerLoad
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; `param` names the offending parameter."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class Engine:
@@ -114,6 +108,8 @@ class Engine:
         # by the coordinator): the figure cancellation tests and operators check.
         self.num_aborted = 0
         self.stop_token_ids: frozenset[int] = tokenizer.stop_token_ids if tokenizer else frozenset()
+        # Structured outputs (response_format); a worker sets `constraints.tokenizer`.
+        self.constraints = OutputConstraints(tokenizer)
         # Called on the engine thread after every non-empty step with (batch, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
         self.step_observers: list[Callable[[StepBatch, int, int], None]] = []
@@ -143,6 +139,7 @@ class Engine:
             generator=make_generator(params.seed, self.config.device),
             keep_kv=keep_kv,
             max_new_tokens=max_new_tokens,
+            grammar=self.constraints.start(request_id, params, prompt_token_ids),
         )
         if prompt_logprobs:
             seq.prompt_logprobs = []
@@ -200,6 +197,7 @@ class Engine:
             raise RequestError("request_id", f"request id '{request_id}' is already in use")
         try:
             self.validate(prompt_token_ids, params)
+            grammar = self.constraints.start(request_id, params, prompt_token_ids, [first_token])
         except RequestError:
             self.blocks.free(table)
             raise
@@ -213,6 +211,7 @@ class Engine:
             table=table,
             num_computed_tokens=len(prompt_token_ids),
             num_cached_prompt_tokens=num_cached_tokens,
+            grammar=grammar,
         )
         # The pushed KV is now ours: register its full blocks so later turns reuse them.
         self.blocks.commit_full_blocks(table, prompt_token_ids)
@@ -293,6 +292,10 @@ class Engine:
                 }
         return tiers
 
+    def structured_stats(self) -> dict:
+        """Grammar cache (compiled schemas, hits) and per-step mask timings."""
+        return self.constraints.stats() | self.runner.mask_stats()
+
     def spec_stats(self) -> dict:
         """Speculative decoding: acceptance per method, histogram, and why a draft is off."""
         return self.speculator.stats.as_dict()
@@ -307,6 +310,7 @@ class Engine:
         start_ns = time.time_ns()
         if self.speculator.enabled:
             self.speculator.attach_drafts(self.scheduler.running)
+            fit_drafts_to_grammar(self.scheduler.running)
         batch: StepBatch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -410,6 +414,8 @@ class Engine:
         self, seq: Sequence, token: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         seq.output_token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
@@ -425,6 +431,8 @@ class Engine:
             not seq.params.ignore_eos and token in self.stop_token_ids
         ):
             reason = "stop"
+        elif seq.grammar is not None and seq.grammar.is_finished:
+            reason = "stop"  # the value is complete and nothing may follow it
         elif len(seq.output_token_ids) >= seq.output_limit or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:

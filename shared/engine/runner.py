@@ -8,11 +8,13 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from shared.engine.scheduler import ScheduledSeq
+from shared.grammar.masks import MaskComputer, MaskRow, PendingMasks
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
 from shared.sampling.batch import SamplingBatch
 from shared.sampling.logprob import TokenLogprob
 from shared.sampling.sampler import SampleOutput, Sampler
+from shared.sampling.token_mask import TokenMask
 from shared.speculative.proposer import Draft
 from shared.speculative.verify import Verified, VerifyInput, verify
 
@@ -38,11 +40,16 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(seed=seed)
         self.device = model.device
+        self._masks: MaskComputer | None = None  # made for the first structured request
 
     def run(self, scheduled: list[ScheduledSeq], want_prompt_logprobs: set[int]) -> StepResult:
         # Rows of output positions (decode, verify) run on the model's decode path, prompt
         # rows on its prefill path: a row's numerics depend on its kind, never on what else
         # shares its step, so greedy output is the same alone, batched or chunked.
+        sampled_index = [i for i, s in enumerate(scheduled) if s.completes_prompt]
+        sampled = [scheduled[i] for i in sampled_index]
+        # Grammar masks need only tokens already emitted: computed while the model runs.
+        pending = self._start_masks(sampled)
         decode_items = [i for i, s in enumerate(scheduled) if self._is_decode(s)]
         prompt_items = [i for i in range(len(scheduled)) if i not in set(decode_items)]
         starts: list[int] = []
@@ -65,15 +72,14 @@ class ModelRunner:
                 offset += n
         decode_rows = {i for i in decode_items}
         ends = [starts[i] + s.num_tokens - 1 for i, s in enumerate(scheduled)]
-        sampled_index = [i for i, s in enumerate(scheduled) if s.completes_prompt]
-        sampled = [scheduled[i] for i in sampled_index]
         rows = [ends[i] for i in sampled_index]
         samples = None
         verified = None
         verified_logprobs = None
+        mask = pending.result() if pending is not None else None
         if sampled and any(s.num_draft for s in sampled):
             kinds = [i in decode_rows for i in sampled_index]
-            verified, verified_logprobs = self._verify(sampled, hidden, rows, kinds)
+            verified, verified_logprobs = self._verify(sampled, hidden, rows, kinds, mask)
         elif sampled:
             logits = self._logits(hidden, rows, [i in decode_rows for i in sampled_index])
             batch = SamplingBatch.build(
@@ -82,6 +88,7 @@ class ModelRunner:
                 output_token_ids=[s.seq.output_token_ids for s in sampled],
                 prompt_token_ids=[s.seq.prompt_token_ids for s in sampled],
                 device=self.device,
+                mask=mask,
             )
             samples = self.sampler.sample(logits, batch)
         prompt_logprobs: dict[int, list[TokenLogprob]] = {}
@@ -89,6 +96,28 @@ class ModelRunner:
             if index in want_prompt_logprobs:
                 prompt_logprobs[index] = self._chunk_logprobs(item, hidden, end)
         return StepResult(sampled, samples, prompt_logprobs, verified, verified_logprobs)
+
+    def _start_masks(self, sampled: list[ScheduledSeq]) -> PendingMasks | None:
+        """Masks for the constrained rows among `sampled`, in the logits rows they will
+        have: one per row, or one per drafted position plus one when verifying."""
+        rows: list[MaskRow] = []
+        offset = 0
+        for item in sampled:
+            seq = item.seq
+            if seq.grammar is not None:
+                draft = (
+                    seq.draft.token_ids[: item.num_draft] if item.num_draft and seq.draft else []
+                )
+                rows.append(MaskRow(seq.grammar, offset, draft))
+            offset += item.num_draft + 1
+        if not rows:
+            return None
+        if self._masks is None:
+            self._masks = MaskComputer(self.model.config.vocab_size)
+        return self._masks.submit(rows)
+
+    def mask_stats(self) -> dict:
+        return self._masks.timings.as_dict() if self._masks is not None else {}
 
     @staticmethod
     def _is_decode(item: ScheduledSeq) -> bool:
@@ -146,6 +175,7 @@ class ModelRunner:
         hidden: torch.Tensor,
         ends: list[int],
         decode: list[bool],
+        mask: TokenMask | None,
     ) -> tuple[list[Verified], dict[int, TokenLogprob]]:
         """Logits at every drafted position of every row, verified in one batch."""
         rows: list[int] = []
@@ -170,7 +200,7 @@ class ModelRunner:
             )
         logits = self._logits(hidden, rows, row_kinds)
         shared = self.sampler.shared_generator(self.device)
-        verified = verify(logits, items, self.sampler, shared)
+        verified = verify(logits, items, self.sampler, shared, mask)
         logprobs: dict[int, TokenLogprob] = {}
         for row, logits_row in logprob_rows.items():
             raw = logits[logits_row].float().log_softmax(-1)

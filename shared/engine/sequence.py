@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from shared.grammar.state import GrammarState
 from shared.kvcache.tables import BlockTable, SwappedBlocks
 from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
@@ -75,6 +76,9 @@ class Sequence:
                 f"1..{known} are known (a cached prefix skipped some)"
             )
         self.prompt_logprobs.extend(logprobs[known + 1 - first_token :])
+
+    # Structured output: where the output stands in its grammar (None: free text).
+    grammar: GrammarState | None = None
 
     @property
     def num_draft_tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.sampling.params import SamplingParams
+from shared.sampling.token_mask import TokenMask
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -86,6 +87,8 @@ class SamplingBatch:
     seeded_rows: tuple[tuple[int, torch.Generator], ...]
     unseeded_rows: torch.Tensor | None  # long indices of sampled rows without a generator
     max_logprobs: int | None  # widest top-logprobs request in the batch
+    # Tokens the grammars of structured-output rows allow (None: every row is free text).
+    mask: TokenMask | None = None
 
     @property
     def size(self) -> int:
@@ -107,6 +110,7 @@ class SamplingBatch:
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]],
         device: str | torch.device = "cpu",
+        mask: TokenMask | None = None,
     ) -> SamplingBatch:
         n = len(params)
         if not (len(generators) == len(output_token_ids) == len(prompt_token_ids) == n):
@@ -169,4 +173,5 @@ class SamplingBatch:
             seeded_rows=tuple(seeded),
             unseeded_rows=column(unseeded, torch.long) if unseeded else None,
             max_logprobs=max(asked) if asked else None,
+            mask=mask,
         )

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from shared.sampling.structured import StructuredOutput, StructuredOutputError
 
 # Limits. Temperature is looser than OpenAI's 2.0 because the distribution is still well
 # defined far beyond it; the hard requirement is a finite number.
@@ -48,6 +50,8 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
+    # The output must match this (JSON object or JSON schema); None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence (and a lone string, as OpenAI's `stop` allows) but store tuples
@@ -69,6 +73,15 @@ class SamplingParams:
     @property
     def uses_count_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def continued(self, num_tokens: int) -> SamplingParams:
+        """The params of a continuation whose prompt ends with `num_tokens` tokens this
+        request already generated: that much less to generate, and a structured output's
+        grammar state rebuilt from those tokens."""
+        structured = self.structured
+        if structured is not None:
+            structured = replace(structured, replay_tokens=structured.replay_tokens + num_tokens)
+        return replace(self, max_tokens=max(1, self.max_tokens - num_tokens), structured=structured)
 
     def validate(self, max_context: int | None = None, prompt_tokens: int = 0) -> None:
         """Raise ``SamplingParamError`` for the first parameter out of range.
@@ -93,6 +106,15 @@ class SamplingParams:
             raise SamplingParamError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise SamplingParamError(
+                    "response_format", f"must be a StructuredOutput, got {self.structured!r}"
+                )
+            try:
+                self.structured.validate()
+            except StructuredOutputError as exc:
+                raise SamplingParamError("response_format", str(exc)) from exc
         if max_context is not None and prompt_tokens + self.max_tokens > max_context:
             raise SamplingParamError(
                 "max_tokens",

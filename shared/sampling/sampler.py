@@ -10,8 +10,11 @@ is sampled alone or at any position in any batch. Unseeded rows share the sample
 generator. Nothing here waits on a GPU: the only values read back are read on the CPU
 (see ``truncation``), where reading is free.
 
-Reported logprobs are the raw ``log_softmax`` of the model's logits, before penalties,
-temperature and truncation: they describe the model, not the sampling settings (vLLM's
+A structured-output row's grammar mask (``batch.mask``) comes first: tokens it forbids are
+at -inf before anything else, so penalties, truncation and the draw only see allowed ones.
+
+Reported logprobs are the raw ``log_softmax`` of the model's logits, before the mask,
+penalties, temperature and truncation: they describe the model, not the sampling settings (vLLM's
 default too), and stay finite for tokens a mask removed.
 """
 
@@ -63,7 +66,8 @@ class Sampler:
         """Pick one token per row of ``[B, V]`` logits."""
         _check_shape(logits, batch)
         logits = logits.to(torch.float32)
-        penalised = apply_penalties(logits, batch)
+        allowed = batch.mask.apply(logits) if batch.mask is not None else logits
+        penalised = apply_penalties(allowed, batch)
         if batch.all_greedy:
             token_ids = penalised.argmax(dim=-1)
         else:
@@ -136,7 +140,10 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     truncated, then softmaxed; one-hot at the argmax for greedy rows. Speculative decoding
     needs exactly this ``p`` for its acceptance test."""
     _check_shape(logits, batch)
-    penalised = apply_penalties(logits.to(torch.float32), batch)
+    logits = logits.to(torch.float32)
+    if batch.mask is not None:
+        logits = batch.mask.apply(logits)
+    penalised = apply_penalties(logits, batch)
     one_hot = None
     if batch.any_greedy:
         one_hot = torch.zeros_like(penalised).scatter_(

@@ -22,6 +22,7 @@ import torch
 from shared.sampling.batch import SamplingBatch
 from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import Sampler, probabilities
+from shared.sampling.token_mask import TokenMask
 from shared.speculative.proposer import Draft
 
 
@@ -41,9 +42,19 @@ class Verified:
 
 
 def verify(
-    logits: torch.Tensor, items: list[VerifyInput], sampler: Sampler, shared: torch.Generator
+    logits: torch.Tensor,
+    items: list[VerifyInput],
+    sampler: Sampler,
+    shared: torch.Generator,
+    mask: TokenMask | None = None,
 ) -> list[Verified]:
-    """``logits``: [sum(k_i + 1), vocab], the rows of each sequence in order."""
+    """``logits``: [sum(k_i + 1), vocab], the rows of each sequence in order. ``mask``: the
+    grammar masks of structured-output rows, position j of a row assuming its drafts before
+    j were emitted; the target distribution is the masked one, which keeps acceptance
+    exact (drafts were cut to what the grammar allows, so q never puts a draft token where
+    p cannot)."""
+    if mask is not None:
+        logits = mask.apply(logits.float())
     needs_probs = any(
         not it.params.is_greedy
         or it.params.uses_repetition_penalty

@@ -6,7 +6,8 @@ from __future__ import annotations
 from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.logprob import TokenLogprob
-from shared.sampling.params import SamplingParams
+from shared.sampling.params import SamplingParamError, SamplingParams
+from shared.sampling.structured import StructuredOutput, StructuredOutputError
 from shared.wire.records import GenerationChunk, WorkerLoad
 
 
@@ -27,6 +28,14 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingOptions:
         opts.seed = p.seed
     if p.logprobs is not None:
         opts.logprobs = p.logprobs
+    if p.structured is not None:
+        opts.structured.CopyFrom(
+            pb.StructuredOutput(
+                kind=p.structured.kind,
+                schema_json=p.structured.schema,
+                replay_tokens=p.structured.replay_tokens,
+            )
+        )
     return opts
 
 
@@ -45,7 +54,18 @@ def params_from_proto(o: pb.SamplingOptions) -> SamplingParams:
         max_tokens=o.max_tokens,
         ignore_eos=o.ignore_eos,
         logprobs=o.logprobs if o.HasField("logprobs") else None,
+        structured=_structured_from_proto(o),
     )
+
+
+def _structured_from_proto(o: pb.SamplingOptions) -> StructuredOutput | None:
+    if not o.HasField("structured"):
+        return None
+    s = o.structured
+    try:
+        return StructuredOutput(s.kind, s.schema_json, s.replay_tokens)  # type: ignore[arg-type]  # validated on construction
+    except StructuredOutputError as exc:
+        raise SamplingParamError("response_format", str(exc)) from exc
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:

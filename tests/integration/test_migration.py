@@ -1,7 +1,8 @@
 """`kill -9` of the decode process serving a stream: the coordinator migrates the request to
 the other decode replica and the client's stream goes on as if nothing happened — at
-temperature 0 the whole text equals an uninterrupted reply. With no replica left to move to,
-the stream ends with a clear error event."""
+temperature 0 the whole text equals an uninterrupted reply, and a structured (JSON-schema)
+reply stays valid: the new replica rebuilds the grammar state from the tokens already
+streamed. With no replica left to move to, the stream ends with a clear error event."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import signal
 
 import httpx
+import jsonschema
 import pytest
 
 from services.launcher import start_local_stack
@@ -23,14 +25,30 @@ MAX_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def stack():
-    cfg = parse_config(stack_config(prefill=1, decode=2))
-    # Unsupervised: the second test needs the first one's victim to stay dead.
+    # Three decode replicas: the structured test and the plain one each kill one (and migrate
+    # to another), the last test kills the one left. Unsupervised: a victim stays dead.
+    cfg = parse_config(stack_config(prefill=1, decode=3))
     with start_local_stack(cfg, startup_timeout_s=240, supervise=False) as running:
         yield running
 
 
-def _body(content: str) -> dict:
-    return {
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "facts": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 40},
+            "minItems": 2,
+            "maxItems": 3,
+        }
+    },
+    "required": ["facts"],
+    "additionalProperties": False,
+}
+
+
+def _body(content: str, response_format: dict | None = None) -> dict:
+    body = {
         "model": DEFAULT_MODEL_ID,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": MAX_TOKENS,
@@ -38,15 +56,19 @@ def _body(content: str) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if response_format is not None:
+        body["response_format"] = response_format
+    return body
 
 
-def _stream_killing(stack, content: str, kill_after_tokens: int | None):
+def _stream_killing(
+    stack, content: str, kill_after_tokens: int | None, response_format: dict | None = None
+):
     """Stream a reply; after `kill_after_tokens` content chunks, SIGKILL the decode process
     the first chunk's metadata named. Returns (events, victim worker id)."""
     events, victim, seen = [], None, 0
-    with httpx.stream(
-        "POST", f"{stack.base_url}/chat/completions", json=_body(content), timeout=120
-    ) as resp:
+    body = _body(content, response_format)
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line.startswith("data: "):
@@ -73,6 +95,22 @@ def _kill(stack, worker_id: str) -> None:
 
 def _text(events: list[dict]) -> str:
     return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+
+
+def _attempt_reasons(events: list[dict]) -> list[str]:
+    finals = [e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")]
+    return [a["reason"] for a in json.loads(finals[-1]["metadata"]["attempts"])]
+
+
+def test_kill_decode_mid_structured_stream_keeps_the_json_valid(stack):
+    prompt = "List facts about the moon as JSON."
+    fmt = {"type": "json_schema", "json_schema": {"name": "facts", "schema": SCHEMA}}
+    baseline, _ = _stream_killing(stack, prompt, None, fmt)
+    events, _ = _stream_killing(stack, prompt, 5, fmt)
+    assert not [e for e in events if "error" in e]
+    assert _attempt_reasons(events) == ["first", "migration"]
+    assert _text(events) == _text(baseline)
+    jsonschema.validate(json.loads(_text(events)), SCHEMA)
 
 
 def test_kill_decode_mid_stream_migrates_and_text_is_unchanged(stack):

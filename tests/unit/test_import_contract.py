@@ -24,8 +24,10 @@ COORDINATOR_FORBIDDEN = (
     "services.inprocess",
     "shared.engine",
     "shared.model",
+    "shared.grammar",
     "kernels",
     "torch",
+    "llguidance",
 )
 
 

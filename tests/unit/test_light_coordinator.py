@@ -22,6 +22,8 @@ FORBIDDEN = (
     "kernels",
     "shared.model",
     "shared.engine",
+    "shared.grammar",
+    "llguidance",
     "services.worker",
     "services.worker_server",
     "services.prefill",

@@ -109,28 +109,7 @@ REFUSED = [
     ),
     ("min_tokens", "completion", _completion(min_tokens=3), "min_tokens", "unsupported_parameter"),
     ("suffix", "completion", _completion(suffix="end"), "suffix", "unsupported_parameter"),
-    (
-        "completion_response_format",
-        "completion",
-        _completion(response_format={"type": "json_object"}),
-        "response_format",
-        "unsupported_parameter",
-    ),
     ("best_of", "completion", _completion(best_of=3), "best_of", "invalid_value"),
-    (
-        "json_schema",
-        "chat",
-        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        "response_format.type",
-        "unsupported_value",
-    ),
-    (
-        "json_object",
-        "chat",
-        _chat(response_format={"type": "json_object"}),
-        "response_format.type",
-        "unsupported_value",
-    ),
     (
         "format_unknown",
         "chat",
@@ -139,21 +118,7 @@ REFUSED = [
         "invalid_value",
     ),
     (
-        "choice_required",
-        "chat",
-        _chat(tools=[_tool()], tool_choice="required"),
-        "tool_choice",
-        "unsupported_value",
-    ),
-    (
-        "choice_named",
-        "chat",
-        _chat(tools=[_tool()], tool_choice=NAMED),
-        "tool_choice",
-        "unsupported_value",
-    ),
-    (
-        "strict_tool",
+        "strict_tool_auto",
         "chat",
         _chat(tools=[_tool(strict=True)]),
         "tools[0].function.strict",
@@ -277,6 +242,21 @@ ACCEPTED = [
         ),
     ),
     ("text_format", "chat", _chat(response_format={"type": "text"})),
+    ("json_object", "chat", _chat(response_format={"type": "json_object"})),
+    (
+        "json_schema",
+        "chat",
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            }
+        ),
+    ),
+    ("completion_json", "completion", _completion(response_format={"type": "json_object"})),
+    ("choice_required", "chat", _chat(tools=[_tool()], tool_choice="required")),
+    ("choice_named", "chat", _chat(tools=[_tool()], tool_choice=NAMED)),
+    ("strict_forced", "chat", _chat(tools=[_tool(strict=True)], tool_choice="required")),
     ("text_modality", "chat", _chat(modalities=["text"])),
     ("empty_logit_bias", "chat", _chat(logit_bias={})),
     ("empty_suffix", "completion", _completion(suffix="")),

@@ -23,7 +23,8 @@ from services.coordinator.settings import APISettings
 from shared.tokenizer.chat_template import ChatTemplate
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
 
-CALLER, TALKER, TWICE = "caller", "talker", "twice"
+CALLER, TALKER, TWICE, FORCED = "caller", "talker", "twice", "forced"
+FORCED_TEXT = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {
     "type": "function",
@@ -46,6 +47,8 @@ def served(real_tokenizer):
         CALLER: Script(text=CALL_TEXT),
         TALKER: Script(text="It is sunny in Paris."),
         TWICE: Script(text=f"Let me check.\n{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'Rome')}"),
+        # What the grammar makes the model write when the reply must be a call.
+        FORCED: Script(text=FORCED_TEXT),
     }
     backend = ScriptedTestBackend(real_tokenizer, scripts)
     with ServerThread(create_app(backend, APISettings(model_id=CALLER))) as server:
@@ -200,3 +203,51 @@ def test_a_template_that_renders_tools_gets_them_itself(real_tokenizer, monkeypa
         "<tool>sunny[for c1]</tool><assistant>"
     )
     assert prompt.tool_parsing is not None and prompt.tool_parsing.names == {"get_weather"}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_is_constrained_and_read_whole(served, client, tool_choice, stream):
+    """`required` and a named function: the workers get the call's JSON schema as the reply's
+    grammar, and the reply (JSON, no tags) comes back as the call."""
+    args = dict(model=FORCED, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, max_tokens=64)
+    if stream:
+        calls, reasons, content = [], [], ""
+        for chunk in client.chat.completions.create(**args, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                calls += choice.delta.tool_calls or []
+                reasons += [choice.finish_reason] if choice.finish_reason else []
+        assert content == "" and reasons == ["tool_calls"]
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    else:
+        choice = client.chat.completions.create(**args).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        got = [
+            (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+        ]
+    assert got == [("get_weather", {"city": "Oslo"})]
+    structured = served[1].calls[-1].request.params.structured
+    assert structured is not None and structured.kind == "json_schema"
+    schema = json.loads(structured.schema)
+    assert schema["type"] == "array"  # parallel_tool_calls defaults to true: one or more calls
+    schema = schema["items"]
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    assert schema["properties"]["arguments"] == WEATHER["function"]["parameters"]
+
+
+def test_forced_call_with_response_format_is_refused(served):
+    import httpx
+
+    body = {
+        "model": FORCED,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+    }
+    reply = httpx.post(f"{served[0].url}/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "response_format"
