@@ -74,6 +74,9 @@ class _CallTrace(ABC):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        # The call ended now: building its engine spans below is bookkeeping after it, and
+        # must not stretch the span past the coordinator's end of the same call.
+        ended_ns = time.time_ns()
         self.owner.recorder.unwatch(self.request_id)
         if exc is not None:
             if isinstance(exc, asyncio.CancelledError | GeneratorExit):
@@ -84,7 +87,7 @@ class _CallTrace(ABC):
         if self.recording and self.timeline is not None:
             self._engine_spans(self.timeline)
         self._before_end()
-        self.span.end()
+        self.span.end(end_time=ended_ns)
 
     def _before_end(self) -> None:  # noqa: B027 - most calls keep nothing for the end
         """What a call kept off its hot path to put on its span at the end."""
