@@ -22,7 +22,8 @@ pytestmark = pytest.mark.real_model
 
 def greedy(real_model, prompt: list[int], max_tokens: int) -> list[int]:
     # auto: the KV dtype the stack's workers take on this machine.
-    engine = Engine(EngineConfig(num_blocks=64, kv_cache_dtype="auto"), model=real_model)
+    config = EngineConfig(num_blocks=64, kv_cache_dtype="auto", num_threads=1)  # as a worker
+    engine = Engine(config, model=real_model)
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [t for o in engine.run_until_done() for t in o.new_token_ids]
 

@@ -12,6 +12,7 @@ ordinary pages.
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 import torch
@@ -32,7 +33,9 @@ class _Mapping:
         base = np.frombuffer(self.map, dtype=np.uint8)
         start = (-base.ctypes.data) % HUGE_PAGE
         self.huge = False
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        # SPLITSERVE_HUGE_PAGES=0 keeps 4 KiB pages (to measure the difference, or where THP
+        # misbehaves).
+        if hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("SPLITSERVE_HUGE_PAGES") != "0":
             try:
                 self.map.madvise(mmap.MADV_HUGEPAGE, start, size)
                 self.huge = True
