@@ -51,7 +51,11 @@ class Engine:
         self.format_choice = None
         if model is None:
             model, self.format_choice = load_serving_model(
-                config.model, config.weights, config.device, config.num_threads
+                config.model,
+                config.weights,
+                config.device,
+                config.num_threads,
+                resolve_kv_dtype(config.kv_cache_dtype, config.device)[0],
             )
         self.model = model
         self.tokenizer = tokenizer
