@@ -163,6 +163,11 @@ class NativeStep:
         if not build.available:
             return None, build.reason
         cfg = checkpoint.config
+        if not cfg.is_plain_llama:
+            return None, (
+                f"the native step computes Llama's layout only; '{cfg.architecture}' "
+                "(or its config's extras) runs on the torch path"
+            )
         if cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
             return None, f"head_dim {cfg.head_dim} / GQA layout not supported by the native step"
         return cls(checkpoint, embed, rope_cos, rope_sin, build, activations), build.reason
