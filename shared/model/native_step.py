@@ -157,17 +157,17 @@ class NativeStep:
         cls, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin, activations="fp32"
     ) -> tuple[NativeStep | None, str]:
         """The native step for this checkpoint, or None and why not."""
-        if embed.device.type != "cpu":
-            return None, "the native step runs on CPU only"
-        build = load()
-        if not build.available:
-            return None, build.reason
         cfg = checkpoint.config
         if not cfg.is_plain_llama:
             return None, (
                 f"the native step computes Llama's layout only; '{cfg.architecture}' "
                 "(or its config's extras) runs on the torch path"
             )
+        if embed.device.type != "cpu":
+            return None, "the native step runs on CPU only"
+        build = load()
+        if not build.available:
+            return None, build.reason
         if cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
             return None, f"head_dim {cfg.head_dim} / GQA layout not supported by the native step"
         return cls(checkpoint, embed, rope_cos, rope_sin, build, activations), build.reason

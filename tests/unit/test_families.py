@@ -1,0 +1,189 @@
+"""Every served family against `transformers` on tiny random weights (fp32): the same logits,
+and the same greedy tokens through every engine path (batching, chunked prefill, a cached
+prefix, preemption, host-tier spill, n-gram speculation), with the block manager clean."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.kvcache.pool import KVPool
+from shared.model.llama import LlamaModel
+from shared.model.loader import read_checkpoint
+from shared.sampling.params import SamplingParams
+from tests.families import FAMILIES, VOCAB, WINDOW, reference_greedy, reference_logits, save_family
+
+pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Lengths straddle the 12-token window and the 16-token block.
+LENGTHS = (3, 11, 17, 30, 45)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in LENGTHS]
+
+
+def _repetitive(seed: int = 1) -> list[list[int]]:
+    """Prompts whose motifs repeat: the n-gram drafter finds proposals in them."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        motif = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 6))]
+        out.append(motif * rng.randrange(3, 6) + [rng.randrange(3, VOCAB)])
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(name, our model loaded from the saved folder, the transformers reference)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = save_family(request.param, folder)
+    return request.param, LlamaModel(read_checkpoint(folder), weights="fp32"), reference
+
+
+def _engine(model: LlamaModel, **overrides) -> Engine:
+    cfg = dict(num_blocks=64, block_size=16, max_num_batched_tokens=256)
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg), model=model)
+
+
+def _run(engine: Engine, prompts, params=GREEDY) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    results: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_work:
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+        engine.blocks.check_integrity()
+    return [results[i] for i in ids]
+
+
+def test_registered_as_its_family(family):
+    name, model, _ = family
+    expected = {"llama3": "llama"}.get(name, name)
+    assert model.config.architecture == expected
+    assert not model.config.is_plain_llama
+
+
+def test_logits_equal_transformers(family):
+    """Whole prompts, and the same prompts in two chunks over the paged cache."""
+    _, model, reference = family
+    for prompt in _prompts():
+        want = reference_logits(reference, prompt)
+        n = len(prompt)
+        pool = KVPool(model.kv_layout(16), 4)
+        meta = AttentionMetadata([n], [n], [[0, 1, 2, 3]], 16)
+        got = model.logits(model.forward(torch.tensor(prompt), meta, pool))
+        assert (got - want).abs().max().item() <= 1e-3
+        if n > 1:
+            cut = n // 2
+            pool = KVPool(model.kv_layout(16), 4)
+            parts = []
+            for start, end in ((0, cut), (cut, n)):
+                meta = AttentionMetadata([end - start], [end], [[0, 1, 2, 3]], 16)
+                hidden = model.forward(torch.tensor(prompt[start:end]), meta, pool)
+                parts.append(model.logits(hidden))
+            assert (torch.cat(parts) - want).abs().max().item() <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def expected(family):
+    _, _, reference = family
+    return [reference_greedy(reference, p, GREEDY.max_tokens) for p in _prompts()]
+
+
+def test_greedy_alone_batched_and_chunked_equal_transformers(family, expected):
+    _, model, _ = family
+    prompts = _prompts()
+    alone = [_run(_engine(model), [p])[0] for p in prompts]
+    assert alone == expected
+    assert _run(_engine(model), prompts) == expected
+    assert _run(_engine(model, max_num_batched_tokens=7), prompts) == expected
+
+
+def test_cached_prefix_equals_fresh(family, expected):
+    _, model, _ = family
+    engine = _engine(model)
+    prompts = _prompts()
+    assert _run(engine, prompts) == expected
+    long = prompts[-1]
+    rid = engine.add_request(long, GREEDY)
+    outs = []
+    while engine.has_work:
+        outs += [o for o in engine.step() if o.request_id == rid]
+        engine.blocks.check_integrity()
+    assert [t for o in outs for t in o.new_token_ids] == expected[-1]
+    assert outs[0].num_cached_tokens == (len(long) - 1) // 16 * 16 > 0
+
+
+def test_preempted_and_spilled_equal_transformers(family, expected):
+    _, model, _ = family
+    prompts = _prompts()
+    host = 64 * 1024 * 1024
+    for mode in ("recompute", "swap"):
+        # 6 blocks for prompts needing 1+1+2+3+4: they cannot all stay resident.
+        engine = _engine(model, num_blocks=6, preemption_mode=mode, host_cache_bytes=host)
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        seqs = [engine.sequences[i] for i in ids]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_work:
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            engine.blocks.check_integrity()
+        assert [got[i] for i in ids] == expected
+        assert sum(s.num_preemptions for s in seqs) > 0, "the pool was meant to run out"
+        assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+    engine = _engine(model, num_blocks=6, host_cache_bytes=host)
+    assert _run(engine, [prompts[-1]]) == [expected[-1]]
+    _run(engine, [prompts[-2][:1] * 60])  # a filler that needs every block: the target spills
+    assert engine.blocks.match_prefix(prompts[-1]).num_host_blocks > 0
+    assert _run(engine, [prompts[-1]]) == [expected[-1]]
+    assert engine.blocks.stats.host_hit_blocks > 0
+
+
+def test_ngram_speculation_equals_plain(family):
+    _, model, reference = family
+    prompts = _repetitive()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [reference_greedy(reference, p, params.max_tokens) for p in prompts]
+    engine = _engine(model, speculative_method="ngram", num_speculative_tokens=4)
+    assert _run(engine, prompts, params) == want
+    assert engine.spec_stats()["verify_steps"] > 0
+    assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+
+
+# Per family: the windows transformers' own config gives each layer (None: global).
+WINDOWS = {
+    "llama3": (None, None),
+    "qwen2": (None, None),
+    "qwen3": (None, None),
+    "mistral": (WINDOW, WINDOW),
+    "gemma3": (WINDOW, None),
+    "qwen3_moe": (None, None),
+    "qwen2_moe": (None, None),
+    "mixtral": (WINDOW, WINDOW),
+}
+
+
+def test_layer_windows_follow_the_config(family):
+    name, model, _ = family
+    assert tuple(model.config.window(i) for i in range(2)) == WINDOWS[name]
+
+
+def test_sharded_folder_loads_through_its_index(tmp_path):
+    reference = save_family("qwen3", tmp_path)
+    reference.save_pretrained(str(tmp_path / "sharded"), max_shard_size="60KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    model = LlamaModel(read_checkpoint(tmp_path / "sharded"), weights="fp32")
+    prompt = _prompts()[-1]
+    pool = KVPool(model.kv_layout(16), 4)
+    meta = AttentionMetadata([len(prompt)], [len(prompt)], [[0, 1, 2, 3]], 16)
+    got = model.logits(model.forward(torch.tensor(prompt), meta, pool))
+    assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-3
