@@ -187,3 +187,23 @@ def test_sharded_folder_loads_through_its_index(tmp_path):
     meta = AttentionMetadata([len(prompt)], [len(prompt)], [[0, 1, 2, 3]], 16)
     got = model.logits(model.forward(torch.tensor(prompt), meta, pool))
     assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-3
+
+
+def test_expert_load_is_exported_as_a_metric(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from shared.telemetry.engine_metrics import EngineMetrics
+
+    save_family("qwen3_moe", tmp_path)
+    model = LlamaModel(read_checkpoint(tmp_path), weights="fp32")
+    engine = _engine(model)
+    registry = CollectorRegistry()
+    EngineMetrics(registry, engine, "tiny-moe", "prefill")
+    prompt = _prompts()[-1]
+    _run(engine, [prompt])
+    text = generate_latest(registry).decode()
+    rows = [line for line in text.splitlines() if line.startswith("splitserve_moe_expert_tokens")]
+    # Layer 0 is sparse (layer 1 is in mlp_only_layers): 4 experts, top-2 of every token.
+    assert len(rows) == 4 and all('layer="0"' in r for r in rows)
+    computed = len(prompt) + GREEDY.max_tokens - 1
+    assert sum(float(r.rsplit(" ", 1)[1]) for r in rows) == 2 * computed
