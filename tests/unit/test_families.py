@@ -207,3 +207,40 @@ def test_expert_load_is_exported_as_a_metric(tmp_path):
     assert len(rows) == 4 and all('layer="0"' in r for r in rows)
     computed = len(prompt) + GREEDY.max_tokens - 1
     assert sum(float(r.rsplit(" ", 1)[1]) for r in rows) == 2 * computed
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_sliding_models_release_blocks_behind_the_window(family, expected, method):
+    """Every layer slides (Mistral, Mixtral): a decoding sequence holds only the blocks its
+    window reaches, and its output is unchanged, batched and speculating."""
+    name, model, _ = family
+    if model.config.max_window is None:
+        pytest.skip(f"{name}: some layer attends globally, every block stays")
+    block = 4
+    bound = -(-WINDOW // block) + 2 + (4 // block if method == "ngram" else 0)
+    prompts = _prompts()
+    for mode, num_blocks in (("recompute", 40), ("swap", 20)):
+        engine = _engine(
+            model,
+            block_size=block,
+            num_blocks=num_blocks,
+            speculative_method=method,
+            num_speculative_tokens=4,
+            preemption_mode=mode,
+            host_cache_bytes=64 * 1024 * 1024,
+        )
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        got: dict[str, list[int]] = {i: [] for i in ids}
+        released = 0
+        while engine.has_work:
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            engine.blocks.check_integrity()
+            for seq in engine.scheduler.running:
+                table = seq.table
+                if table is not None and seq.num_computed_tokens > seq.num_prompt_tokens:
+                    assert len(table.live_block_ids) <= bound
+                    released = max(released, table.num_released)
+        assert [got[i] for i in ids] == expected
+        assert released > 0
+        assert engine.blocks.num_available_blocks == engine.blocks.num_blocks

@@ -11,9 +11,9 @@ import torch
 
 from shared.model.families.registry import FAMILIES, family_for_hf
 from shared.model.hf_folder import read_hf_config
+from shared.model.linear import Linear
 from shared.model.llama import LlamaModel, NativeUnavailable
 from shared.model.moe import SparseMLP, gated_mlp
-from shared.model.linear import Linear
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
 from shared.modelfile.config import ModelFileError, RopeScaling
 
