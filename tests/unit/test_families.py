@@ -10,13 +10,21 @@ import pytest
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from services.bench.models_bench import hit_rate, replay_conversation
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
+from shared.model.tiny_families import (
+    FAMILIES,
+    VOCAB,
+    WINDOW,
+    reference_greedy,
+    reference_logits,
+    save_family,
+)
 from shared.sampling.params import SamplingParams
-from tests.families import FAMILIES, VOCAB, WINDOW, reference_greedy, reference_logits, save_family
 
 pytest.importorskip("transformers")
 
@@ -244,3 +252,35 @@ def test_sliding_models_release_blocks_behind_the_window(family, expected, metho
         assert [got[i] for i in ids] == expected
         assert released > 0
         assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+
+
+# Eviction is family-independent but for what a family releases: one plain, one releasing
+# blocks behind its window, one hybrid (keeps every block) carry the tight-pool replays.
+PRESSURE_FAMILIES = ("llama3", "mistral", "gemma3")
+
+
+def test_conversation_hits_and_the_router_agrees_with_the_engine(family):
+    """A 12-turn replay reuses >= 90% of each later prompt, and the router's index — fed the
+    engine's KV events — predicts every turn's hit exactly, also when a second conversation
+    evicts the first (dropped, or spilled to the host tier)."""
+    name, model, _ = family
+    events: list = []
+    roomy = Engine(
+        EngineConfig(num_blocks=64, block_size=16), model=model, event_sink=events.append
+    )
+    turns = replay_conversation(roomy, events)
+    assert hit_rate(turns) >= 0.9
+    assert all(t.cached_tokens == t.router_cached_tokens for t in turns)
+    if name not in PRESSURE_FAMILIES:
+        return
+    for host in (0, 64 * 1024 * 1024):
+        events = []
+        tight = Engine(
+            EngineConfig(num_blocks=30, block_size=16, host_cache_bytes=host),
+            model=model,
+            event_sink=events.append,
+        )
+        for seed in (0, 1, 0):
+            turns = replay_conversation(tight, events, turns=6, seed=seed)
+            assert [t.cached_tokens for t in turns] == [t.router_cached_tokens for t in turns]
+        assert any(e.kind == "removed" for e in events)

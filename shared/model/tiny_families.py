@@ -1,5 +1,8 @@
 """Tiny random-weight checkpoints of every served family, built by `transformers` itself.
 
+For the family tests and `splitserve bench models`; `transformers` is a dev dependency, so
+it is imported only when a model is built.
+
 Each config is instantiated offline (2 layers, hidden 64), its weights redrawn at a scale
 that makes logits peaked (greedy ties vanishingly rare), and saved as a safetensors folder:
 the reference a user trusts, in the format a user has. Sliding windows are 12 tokens, so
@@ -21,7 +24,7 @@ _COMMON = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
 )
 
 
