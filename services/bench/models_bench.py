@@ -30,6 +30,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.kvcache.events import KVEvent
 from shared.kvcache.hashing import hash_prompt_blocks
+from shared.model.formats import best_seconds
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.model.tiny_families import FAMILIES, VOCAB, save_family
@@ -93,15 +94,6 @@ def _engine(model: LlamaModel, events: list[KVEvent]) -> Engine:
     return Engine(config, model=model, event_sink=events.append)
 
 
-def _best_of(fn, repeats: int = 2) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def transformers_rates(reference, prompt_len: int, steps: int) -> tuple[float, float]:
     """The peer: the same weights in transformers (fp32, eager, its own KV cache), prefill
     tok/s of one prompt and decode tok/s of one sequence."""
@@ -119,8 +111,8 @@ def transformers_rates(reference, prompt_len: int, steps: int) -> tuple[float, f
         return go
 
     with torch.inference_mode():
-        prefill_s = _best_of(lambda: reference(ids))
-    decode_s = _best_of(generate(steps + 1)) - _best_of(generate(1))
+        prefill_s = best_seconds(lambda: reference(ids))
+    decode_s = best_seconds(generate(steps + 1)) - best_seconds(generate(1))
     return prompt_len / prefill_s, steps / max(decode_s, 1e-9)
 
 

@@ -85,7 +85,7 @@ def _slice(checkpoint: Checkpoint) -> Checkpoint:
     )
 
 
-def _best_of(fn, repeats: int = 3) -> float:
+def best_seconds(fn, repeats: int = 3) -> float:
     fn()  # warm: first calls allocate and (for the native step) start threads
     best = float("inf")
     for _ in range(repeats):
@@ -144,13 +144,13 @@ def _time_format(checkpoint: Checkpoint, fmt: ModelFormat, scale: float) -> dict
 
     head_in = torch.randn(max(DECODE_BATCHES), cfg.hidden_size)
     result = {
-        f"prefill_{chunk}_ms_per_token": _best_of(prefill(chunk)) * scale * 1e3 / chunk
+        f"prefill_{chunk}_ms_per_token": best_seconds(prefill(chunk)) * scale * 1e3 / chunk
         for chunk in PREFILL_CHUNKS
     }
     result["prefill_ms_per_token"] = sum(result.values()) / len(PREFILL_CHUNKS)
     for batch in DECODE_BATCHES:
-        body = _best_of(decode(batch)) * scale
-        head = _best_of(lambda b=batch: model.logits(head_in[:b], decode=True))
+        body = best_seconds(decode(batch)) * scale
+        head = best_seconds(lambda b=batch: model.logits(head_in[:b], decode=True))
         result[f"decode_b{batch}_ms"] = (body + head) * 1e3
     return result
 
