@@ -1,6 +1,6 @@
 """Read a Hugging Face folder: config.json plus safetensors (one file or a sharded index).
 
-The family (shared/model/families/) is picked from `architectures`; it reads the config's
+The family (shared/modelfile/families/) is picked from `architectures`; it reads the config's
 switches and names the tensors, so one loader serves every registered layout.
 """
 
@@ -12,24 +12,12 @@ from pathlib import Path
 
 import torch
 
-from shared.model.families.registry import family_for_hf
 from shared.model.gguf_file import Checkpoint
 from shared.model.tensor_names import expected_tensor_names
-from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.config import ModelFileError
+from shared.modelfile.hf_config import read_hf_family
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_hf_config(folder: str | os.PathLike) -> ModelConfig:
-    """The config the folder describes (no tensors read); refuses what we cannot serve."""
-    config_path = Path(folder) / "config.json"
-    if not config_path.is_file():
-        raise ModelFileError(str(folder), "no config.json in the model folder")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(str(config_path), f"invalid JSON: {exc}") from exc
-    return family_for_hf(raw, str(config_path)).config_from_hf(raw, str(config_path))
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -54,9 +42,7 @@ def read_hf_folder(folder: str | os.PathLike) -> Checkpoint:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = read_hf_config(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    family = family_for_hf(raw, str(folder))
+    family, config = read_hf_family(folder)
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shards(folder):
         try:

@@ -1,6 +1,6 @@
 """Architecture hyper-parameters of a decoder, from GGUF metadata or config.json.
 
-One shape for every registered family (shared/model/families/): a family is Llama's layout
+One shape for every registered family (shared/modelfile/families/): a family is Llama's layout
 plus a few switches (QKV bias, per-head q/k norms, sliding windows, Gemma's norms, experts).
 Plain data, no torch: the coordinator reads it too.
 """
@@ -62,7 +62,7 @@ class ModelConfig:
     max_position: int
     tie_embeddings: bool = True
     head_dim_override: int | None = None
-    # The registered family (shared/model/families/) whose layout this is.
+    # The registered family (shared/modelfile/families/) whose layout this is.
     architecture: str = "llama"
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False

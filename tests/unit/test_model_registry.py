@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from shared.model.families.registry import FAMILIES, family_for_hf
-from shared.model.hf_folder import read_hf_config
 from shared.model.linear import Linear
 from shared.model.llama import LlamaModel, NativeUnavailable
 from shared.model.moe import SparseMLP, gated_mlp
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
 from shared.modelfile.config import ModelFileError, RopeScaling
+from shared.modelfile.families.registry import FAMILIES, family_for_hf
+from shared.modelfile.hf_config import read_hf_config
 
 _BASE = {
     "vocab_size": 128,

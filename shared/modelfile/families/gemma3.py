@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families.base import (
+from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.base import (
     LLAMA_LAYER_NAMES,
     QK_NORM_NAMES,
     Family,
@@ -14,7 +15,6 @@ from shared.model.families.base import (
     require_activation,
     rope_settings,
 )
-from shared.modelfile.config import ModelConfig, ModelFileError
 
 # Gemma's `post_attention_layernorm` normalises the attention *output*; its pre-MLP norm is
 # `pre_feedforward_layernorm` (Llama's `post_attention_layernorm` role).

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families.base import (
+from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.base import (
     LLAMA_LAYER_NAMES,
     QK_NORM_NAMES,
     Family,
     base_config,
     require_activation,
 )
-from shared.model.families.qwen2 import qwen_windows
-from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.qwen2 import qwen_windows
 
 
 def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:

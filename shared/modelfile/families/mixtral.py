@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families.base import (
+from shared.modelfile.config import ModelConfig
+from shared.modelfile.families.base import (
     LLAMA_LAYER_NAMES,
     Family,
     base_config,
     moe_settings,
     require_activation,
 )
-from shared.model.families.mistral import sliding_everywhere
-from shared.modelfile.config import ModelConfig
+from shared.modelfile.families.mistral import sliding_everywhere
 
 
 def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:

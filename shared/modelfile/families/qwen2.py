@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families.base import (
+from shared.modelfile.config import ModelConfig
+from shared.modelfile.families.base import (
     LLAMA_LAYER_NAMES,
     QKV_BIAS_NAMES,
     Family,
     base_config,
     require_activation,
 )
-from shared.modelfile.config import ModelConfig
 
 
 def qwen_windows(raw: dict[str, Any]) -> tuple[int | None, ...]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families.base import (
+from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.base import (
     LLAMA_LAYER_NAMES,
     QK_NORM_NAMES,
     QKV_BIAS_NAMES,
@@ -14,9 +15,8 @@ from shared.model.families.base import (
     moe_settings,
     require_activation,
 )
-from shared.model.families.mistral import sliding_everywhere
-from shared.model.families.qwen2 import qwen_windows
-from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.mistral import sliding_everywhere
+from shared.modelfile.families.qwen2 import qwen_windows
 
 _MOE_NAMES = {
     "mlp.gate.weight": "router",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen_moe
-from shared.model.families.base import Family
 from shared.modelfile.config import ModelFileError
+from shared.modelfile.families import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen_moe
+from shared.modelfile.families.base import Family
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model.families.base import LLAMA_LAYER_NAMES, Family, base_config, require_activation
 from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.base import (
+    LLAMA_LAYER_NAMES,
+    Family,
+    base_config,
+    require_activation,
+)
 
 
 def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:
