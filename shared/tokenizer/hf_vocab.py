@@ -3,9 +3,9 @@
 Read into the same record a GGUF gives (the fields llama.cpp's converter would write from
 these files), so identity, special tokens and decoding work the same for both; encoding
 runs the folder's own `tokenizers` pipeline, loaded from tokenizer.json as it stands.
-Byte-level BPE only (Llama 3, Qwen, SmolLM2, Mistral's Tekken): decoding joins each token's
-bytes, which a SentencePiece-style vocabulary (Gemma, Mistral v0.1) would need another
-table for — refused by name.
+Byte-level BPE (Llama 3, Qwen, SmolLM2, Mistral's Tekken) and SentencePiece-style BPE with
+"▁" spaces and byte fallback (Gemma, Llama 2, Mistral v0.1, Mixtral); anything else (Unigram,
+WordPiece) is refused by name.
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ def read_hf_vocab(folder: str | os.PathLike[str]) -> tuple[GGUFVocab, _RustToken
         raise ValueError(f"{path}: unreadable tokenizer.json: {exc}") from exc
     model = spec.get("model") or {}
     decoders = _decoder_types(spec.get("decoder"))
-    if model.get("type") != "BPE" or "ByteLevel" not in decoders:
+    byte_level = "ByteLevel" in decoders
+    pieces = bool({"Metaspace", "ByteFallback"} & set(decoders))
+    if model.get("type") != "BPE" or not (byte_level or pieces):
         raise ValueError(
             f"{path}: unsupported tokenizer (model {model.get('type')!r}, decoder "
-            f"{'/'.join(decoders) or 'none'}); only byte-level BPE is supported"
+            f"{'/'.join(decoders) or 'none'}); byte-level or SentencePiece-style BPE only"
         )
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -95,7 +97,8 @@ def read_hf_vocab(folder: str | os.PathLike[str]) -> tuple[GGUFVocab, _RustToken
     ).encode()
     vocab = GGUFVocab(
         path=str(folder),
-        model="gpt2",
+        # llama.cpp's names: "gpt2" byte-level BPE, "llama" SentencePiece-style BPE.
+        model="gpt2" if byte_level else "llama",
         pre="hf:" + hashlib.sha256(pipeline).hexdigest()[:16],
         tokens=tuple(tokens),  # type: ignore[arg-type]
         token_types=tuple(types),
@@ -107,5 +110,14 @@ def read_hf_vocab(folder: str | os.PathLike[str]) -> tuple[GGUFVocab, _RustToken
         add_bos_token=bos is not None and empty[:1] == [bos],
         add_eos_token=False,
         chat_template=_chat_template(folder, config),
+        add_space_prefix=not byte_level and _prefixes_space(spec),
     )
     return vocab, rust
+
+
+def _prefixes_space(spec: dict[str, Any]) -> bool:
+    """Whether the encoder puts a "▁" before the text (a Metaspace pre-tokenizer that
+    prepends, or Llama 2's Prepend normalizer): the decoder strips it again."""
+    text = json.dumps([spec.get("pre_tokenizer"), spec.get("normalizer")])
+    metaspace = '"Metaspace"' in text and '"prepend_scheme": "never"' not in text
+    return metaspace or '"Prepend"' in text

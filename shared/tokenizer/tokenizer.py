@@ -14,6 +14,7 @@ from shared.tokenizer.byte_level import token_bytes_table
 from shared.tokenizer.chat_template import ChatTemplate
 from shared.tokenizer.gguf_vocab import GGUFVocab, read_gguf_vocab
 from shared.tokenizer.hf_vocab import read_hf_vocab
+from shared.tokenizer.spm_pieces import spm_token_bytes_table
 from shared.tokenizer.pretokenize import build_pre_tokenizer
 
 # What each `tokenizer.ggml.model` value means, for an error message a person can act on.
@@ -37,7 +38,10 @@ class Tokenizer:
     """A byte-level BPE tokenizer exactly as the GGUF file describes it."""
 
     def __init__(self, vocab: GGUFVocab, rust: _RustTokenizer | None = None) -> None:
-        if vocab.model != "gpt2":
+        # A folder's SentencePiece-style BPE encodes through its own tokenizer.json; a GGUF's
+        # would need its pipeline rebuilt from metadata, which only byte-level BPE has here.
+        spm = vocab.model == "llama" and rust is not None
+        if vocab.model != "gpt2" and not spm:
             kind = _TOKENIZER_MODELS.get(vocab.model, "unknown")
             raise ValueError(
                 f"{vocab.path}: unsupported tokenizer model tokenizer.ggml.model="
@@ -46,7 +50,12 @@ class Tokenizer:
         self._vocab = vocab
         # A folder brings its own pipeline (tokenizer.json); a GGUF's is rebuilt from metadata.
         self._rust = rust if rust is not None else _build_rust_tokenizer(vocab)
-        self._token_bytes = token_bytes_table(vocab.tokens)
+        verbatim = {*vocab.control_token_ids, *vocab.user_defined_token_ids}
+        self._token_bytes = (
+            spm_token_bytes_table(vocab.tokens, verbatim)
+            if spm
+            else token_bytes_table(vocab.tokens)
+        )
         self._special_ids = frozenset(vocab.control_token_ids)
         stops = {vocab.eos_token_id} if vocab.eos_token_id is not None else set()
         stops |= {i for i in self._special_ids if vocab.tokens[i] in END_OF_TURN_TOKENS}
@@ -156,7 +165,10 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         table = self._token_bytes
-        return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+        text = b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+        if self._vocab.add_space_prefix and text.startswith(" "):
+            text = text[1:]  # the space the encoder put in front
+        return text
 
     def apply_chat_template(
         self,

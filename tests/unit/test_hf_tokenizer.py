@@ -104,13 +104,13 @@ def test_two_copies_share_a_fingerprint_and_a_changed_vocab_does_not(tmp_path):
     assert c.fingerprint != a.fingerprint
 
 
-def test_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
-    rust = RustTokenizer(models.BPE(byte_fallback=True))
+def test_unigram_tokenizer_is_refused_by_name(tmp_path):
+    rust = RustTokenizer(models.Unigram())
     rust.pre_tokenizer = pre_tokenizers.Metaspace()
     rust.decoder = decoders.Metaspace()
-    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300))
+    rust.train_from_iterator(CORPUS, trainers.UnigramTrainer(vocab_size=100))
     rust.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match="decoder Metaspace"):
+    with pytest.raises(ValueError, match="model 'Unigram'"):
         Tokenizer.from_hf_folder(tmp_path)
 
 
@@ -134,3 +134,40 @@ def test_coordinator_serves_a_folder_with_its_tokenizer(tmp_path):
     (info,) = model_infos(deployment)
     assert info.context_length == 4096
     assert info.tokenizer.fingerprint == Tokenizer.from_hf_folder(folder).fingerprint
+
+
+@pytest.mark.parametrize("prepend", ["always", "never"])
+def test_sentencepiece_style_folder_equals_transformers(tmp_path, prepend):
+    """Gemma / Llama 2 style: "▁" spaces, byte pieces for what the vocabulary lacks."""
+    transformers = pytest.importorskip("transformers")
+    rust = RustTokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend)
+    specials = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    spec = json.loads(rust.to_str())
+    # Byte pieces are ordinary vocabulary entries (as in Gemma's), reached by byte fallback.
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = max(vocab.values()) + 1
+    spec["model"]["byte_fallback"] = True
+    steps = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if prepend == "always":
+        steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    spec["decoder"] = {"type": "Sequence", "decoders": steps}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": CHATML})
+    )
+    ours = Tokenizer.from_hf_folder(tmp_path)
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    for text in [*TEXTS[:2], "Zürich ☃ unseen ÿ bytes", "two  spaces\nnewline"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == theirs.decode(ids) == text
+        stream = IncrementalDetokenizer(ours)
+        streamed = "".join(stream.add(i) for i in ids) + stream.flush()
+        assert streamed.removeprefix(" ") == text
