@@ -14,8 +14,8 @@ from shared.tokenizer.byte_level import token_bytes_table
 from shared.tokenizer.chat_template import ChatTemplate
 from shared.tokenizer.gguf_vocab import GGUFVocab, read_gguf_vocab
 from shared.tokenizer.hf_vocab import read_hf_vocab
-from shared.tokenizer.spm_pieces import spm_token_bytes_table
 from shared.tokenizer.pretokenize import build_pre_tokenizer
+from shared.tokenizer.spm_pieces import spm_token_bytes_table
 
 # What each `tokenizer.ggml.model` value means, for an error message a person can act on.
 _TOKENIZER_MODELS = {
