@@ -130,8 +130,9 @@ def bench_family(family: str, folder: Path, quick: bool) -> dict:
         "architecture": cfg.architecture,
         "layer_windows": list(cfg.layer_windows) or None,
         "releases_behind_window": cfg.max_window is not None,
-        "prefill_tok_s": prefill_rate(model, length=prompt_len, repeats=2),
-        "decode_tok_s": decode_rate(model, batch=1, steps=steps),
+        # fp32 KV, as the transformers peer keeps it.
+        "prefill_tok_s": prefill_rate(model, prompt_len, 2, kv_cache_dtype="float32"),
+        "decode_tok_s": decode_rate(model, 1, steps, kv_cache_dtype="float32"),
         "transformers_prefill_tok_s": peer_prefill,
         "transformers_decode_tok_s": peer_decode,
         "prefix_hit_rate": hit_rate(turns),
