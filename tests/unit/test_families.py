@@ -284,3 +284,50 @@ def test_conversation_hits_and_the_router_agrees_with_the_engine(family):
             turns = replay_conversation(tight, events, turns=6, seed=seed)
             assert [t.cached_tokens for t in turns] == [t.router_cached_tokens for t in turns]
         assert any(e.kind == "removed" for e in events)
+
+
+def test_disaggregated_prefill_transfer_decode_equals_transformers(family, expected):
+    """Prefill on one engine, the prompt's blocks pushed through the in-process transfer
+    fabric, decode on another: the reply is the reference's, the next turn reuses the pushed
+    blocks there, and every block is back on both sides."""
+    from prometheus_client import CollectorRegistry
+
+    from services.kvtransfer.fake import FakeFabric, FakeTransferBackend
+    from services.kvtransfer.session import TransferSession
+    from services.kvtransfer.types import TransferState
+
+    _, model, reference = family
+    block = 4  # small blocks: a sliding family's decode side releases some of them
+    prefill = _engine(model, block_size=block, num_blocks=48)
+    decode = _engine(model, block_size=block, num_blocks=48)
+    fabric, registry = FakeFabric(), CollectorRegistry()
+    senders = FakeTransferBackend("prefill", fabric, registry=registry)
+    receivers = FakeTransferBackend("decode", fabric, registry=registry)
+    sent_meta, recv_meta = senders.register_pool(prefill.pool), receivers.register_pool(decode.pool)
+    senders.add_peer("decode", recv_meta)
+    receivers.add_peer("prefill", sent_meta)
+    prompt = _prompts()[-1]
+    rid = prefill.add_request(prompt, GREEDY, request_id="r1", keep_kv=True, max_new_tokens=1)
+    first = [t for o in prefill.run_until_done() for t in o.new_token_ids]
+    table = decode.reserve_blocks(len(prompt))
+    assert table is not None and len(first) == 1
+    recv = receivers.prepare_receive(rid, table.block_ids, 6.0)
+    src = list(prefill.sequences[rid].table.block_ids)
+    sent = senders.send(rid, src, recv.descriptors, 5.0)
+    send_session = TransferSession(senders, sent, lambda _s: prefill.release(rid))
+    recv_session = TransferSession(receivers, recv, lambda _s: None)
+    assert send_session.wait() is TransferState.DONE
+    assert recv_session.wait() is TransferState.DONE
+    decode.add_prefilled(rid, prompt, first[0], table, GREEDY)
+    rest = [t for o in decode.run_until_done() for t in o.new_token_ids]
+    assert first + rest == expected[-1]
+    turn2 = prompt + expected[-1] + [7, 8, 9]
+    rid2 = decode.add_request(turn2, GREEDY)
+    outs = [o for o in decode.run_until_done() if o.request_id == rid2]
+    assert outs[0].num_cached_tokens >= len(prompt) // block * block
+    assert [t for o in outs for t in o.new_token_ids] == reference_greedy(reference, turn2, 8)
+    for engine in (prefill, decode):
+        engine.blocks.check_integrity()
+        assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+    senders.close()
+    receivers.close()
