@@ -331,3 +331,14 @@ def test_disaggregated_prefill_transfer_decode_equals_transformers(family, expec
         assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
     senders.close()
     receivers.close()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mixtral"])
+def test_auto_format_chooser_measures_the_family(tmp_path, name):
+    """`weights: auto` times torch formats only (the native step is Llama's alone)."""
+    from shared.model.formats import measure
+
+    save_family(name, tmp_path)
+    choice = measure(read_checkpoint(tmp_path), ["fp32", "native"])
+    assert choice.prefill == choice.decode == "fp32"
+    assert "Llama's layout only" in choice.skipped["native"]

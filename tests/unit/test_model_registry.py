@@ -146,3 +146,17 @@ def test_grouped_experts_equal_a_per_token_loop_and_count_load():
         )
         assert torch.allclose(got[t], want, atol=1e-4)
     assert int(mlp.load.sum()) == x.shape[0] * k
+
+
+def test_format_chooser_slices_per_layer_switches_with_the_layers():
+    from shared.model.formats import _slice
+    from shared.model.gguf_file import Checkpoint
+    from shared.modelfile.config import MoEConfig
+
+    moe = MoEConfig(4, 2, 16, True, sparse_layers=(True, False, True))
+    config = dataclasses.replace(
+        TINY_CONFIG, num_layers=3, layer_windows=(8, None, 8), moe=moe, architecture="x"
+    )
+    sliced = _slice(Checkpoint(config=config, tensors={}, source="x")).config
+    assert sliced.num_layers == 2 and sliced.layer_windows == (8, None)
+    assert sliced.moe is not None and sliced.moe.sparse_layers == (True, False)
