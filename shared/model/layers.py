@@ -7,13 +7,14 @@ output norms, a sparse MLP in place of the dense one.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from shared.model.gguf_file import Checkpoint
 from shared.model.linear import Linear, WeightFormat, fuse_q4_1, fuse_rows
-from shared.model.moe import SparseMLP
+from shared.model.moe import ExpertsKernel, SparseMLP
 from shared.model.native_step import NativeMatrix
 from shared.model.tensor_names import is_sparse
 from shared.modelfile.config import ModelConfig
@@ -80,6 +81,10 @@ def _sparse_mlp(
     if moe.shared_intermediate_size:
         shared = (*pair(p + "shared."), moe.shared_intermediate_size)
         shared_gate = t[p + "shared_gate"].to(dev)
+    # Triton's fused experts on a GPU (fp32 weights); each expert's Linears elsewhere.
+    kernel: ExpertsKernel = "triton" if dev.type == "cuda" and weights == "fp32" else "torch"
+    if kernel == "triton" and importlib.util.find_spec("triton") is None:
+        kernel = "torch"
     return SparseMLP(
         t[p + "router"].to(dev),
         experts,
@@ -89,6 +94,7 @@ def _sparse_mlp(
         cfg.activation,
         shared,
         shared_gate,
+        kernel,
     )
 
 

@@ -1,25 +1,27 @@
-"""A sparse MLP on the torch path: top-k routing, then one grouped pass per expert.
+"""A sparse MLP: top-k routing, then the experts over their rows, grouped.
 
 Tokens are sorted by the expert they were routed to, so each expert runs one matmul over all
 of its rows (a Python loop over experts, never over tokens), and the weighted outputs are
 scattered back with one index_add. Routing follows transformers: softmax in fp32 over all
 experts, top-k, renormalised to sum to 1 when the config says so. Each call adds to a per-
 expert load counter (`load`), which the engine exports as a metric.
+
+The grouped expert computation runs on the torch path (each expert's Linears, any weight
+format), or, on a GPU with fp32 weights, as the Triton fused-MoE kernels over stacked
+weights (kernels/triton_moe.py) — the same contract, so routing and scatter are shared.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import Literal
 
+import torch
+
+from kernels.moe_experts import activate
 from shared.model.linear import Linear
 from shared.modelfile.config import Activation
 
-
-def activate(gate: torch.Tensor, activation: Activation) -> torch.Tensor:
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh")
-    return F.silu(gate)
+ExpertsKernel = Literal["torch", "triton"]
 
 
 def gated_mlp(
@@ -40,6 +42,7 @@ class SparseMLP:
         activation: Activation,
         shared: tuple[Linear, Linear, int] | None = None,  # (gate_up, down, intermediate)
         shared_gate: torch.Tensor | None = None,  # [1, hidden]
+        kernel: ExpertsKernel = "torch",
     ):
         self.router = router
         self.experts = experts
@@ -50,6 +53,16 @@ class SparseMLP:
         self.shared = shared
         self.shared_gate = shared_gate
         self.load = torch.zeros(len(experts), dtype=torch.long)
+        self.kernel: ExpertsKernel = kernel
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        if kernel == "triton":
+            # The Triton kernels read every expert from one fp32 tensor per projection.
+            if any(m.fp32 is None for pair in experts for m in pair):
+                raise ValueError("the Triton expert kernels take fp32 expert weights")
+            self._stacked = (
+                torch.stack([gu.fp32 for gu, _ in experts]),  # type: ignore[misc]
+                torch.stack([d.fp32 for _, d in experts]),  # type: ignore[misc]
+            )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (weights [n, k] fp32, expert ids [n, k])."""
@@ -65,17 +78,17 @@ class SparseMLP:
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
         counts = torch.bincount(flat, minlength=len(self.experts))
-        self.load += counts
+        self.load += counts.cpu()
         grouped = x[token_of]
-        outputs = torch.empty_like(grouped)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                gate_up, down = self.experts[expert]
-                rows = slice(start, start + count)
-                outputs[rows] = gated_mlp(grouped[rows], gate_up, down, self.inter, self.activation)
-                start += count
-        scaled = outputs * weights.reshape(-1)[order, None].to(outputs.dtype)
+        row_weights = weights.reshape(-1)[order]
+        if self._stacked is not None:
+            from kernels.triton_moe import grouped_experts
+
+            scaled = grouped_experts(
+                grouped, counts.tolist(), *self._stacked, row_weights, self.activation
+            )
+        else:
+            scaled = self._torch_experts(grouped, counts.tolist(), row_weights)
         y = torch.zeros_like(x).index_add_(0, token_of, scaled)
         if self.shared is not None:
             gate_up, down, inter = self.shared
@@ -84,3 +97,16 @@ class SparseMLP:
                 shared_out = torch.sigmoid(x @ self.shared_gate.T) * shared_out
             y = y + shared_out
         return y
+
+    def _torch_experts(
+        self, grouped: torch.Tensor, counts: list[int], row_weights: torch.Tensor
+    ) -> torch.Tensor:
+        outputs = torch.empty_like(grouped)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                gate_up, down = self.experts[expert]
+                rows = slice(start, start + count)
+                outputs[rows] = gated_mlp(grouped[rows], gate_up, down, self.inter, self.activation)
+                start += count
+        return outputs * row_weights[:, None].to(outputs.dtype)
