@@ -97,7 +97,11 @@ class WorkerRuntime:
             ngram_max=spec.ngram_max,
             ngram_min=spec.ngram_min,
         )
-        self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
+        # A folder without tokenizer.json (tests' tiny models) serves token ids only.
+        has_tokenizer = path.endswith(".gguf") or os.path.isfile(
+            os.path.join(path, "tokenizer.json")
+        )
+        self.tokenizer = Tokenizer.from_model_path(path) if has_tokenizer else None
         # A cheaper build serves only if it passed the quality gate against fp32; `auto`
         # measures the eligible formats on this machine and serves the fastest per path.
         kv_dtype, kv_why = resolve_kv_dtype(worker.kv_cache_dtype)

@@ -40,7 +40,8 @@ def load_serving_model(
         release_freed_memory()
         return model, None
     eligible, refused = eligible_formats(path)
-    if device != "cpu":
+    if device != "cpu" or not checkpoint.config.is_plain_llama:
+        # The native step is CPU-only and Llama-only: other families time torch formats only.
         eligible = [w for w in eligible if w not in NATIVE_FORMATS]
     choice = choose(checkpoint, eligible, model_fingerprint(model_path), threads, kv_dtype)
     log.info("weights auto: %s", choice.describe())

@@ -79,10 +79,14 @@ class FormatChoice:
 
 
 def _slice(checkpoint: Checkpoint) -> Checkpoint:
-    layers = min(SLICE_LAYERS, checkpoint.config.num_layers)
-    return dataclasses.replace(
-        checkpoint, config=dataclasses.replace(checkpoint.config, num_layers=layers)
+    cfg = checkpoint.config
+    layers = min(SLICE_LAYERS, cfg.num_layers)
+    # Per-layer switches are cut with the layers (a slice of Gemma keeps a sliding layer).
+    moe = cfg.moe and dataclasses.replace(cfg.moe, sparse_layers=cfg.moe.sparse_layers[:layers])
+    config = dataclasses.replace(
+        cfg, num_layers=layers, layer_windows=cfg.layer_windows[:layers], moe=moe
     )
+    return dataclasses.replace(checkpoint, config=config)
 
 
 def best_seconds(fn, repeats: int = 3) -> float:
