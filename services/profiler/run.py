@@ -7,10 +7,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from services.profiler.costmodel import ReplicaProfile
 from services.profiler.fit import fit_decode, fit_prefill, fit_transfer
 from services.profiler.measure import measure_decode, measure_prefill, measure_transfer
+from services.profiler.model_shape import ModelShape
+from services.profiler.signature import cpu_here
 from shared.config import engine_defaults as defaults
 
 
@@ -68,16 +71,25 @@ def run_profile(
     from services.bench.report import machine_info
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
+    from shared.engine.model_setup import load_serving_model
     from shared.model.llama import LlamaModel
     from shared.model.loader import read_checkpoint
+    from shared.modelfile.default import default_model_path
 
     grid = QUICK if quick else FULL
     started = time.perf_counter()
     load_before = os.getloadavg()
     torch.set_num_threads(threads)
-    checkpoint = read_checkpoint(model_path)
-    model = LlamaModel(checkpoint, weights=weights)
-    progress(f"model {checkpoint.source} loaded ({weights}, {threads} threads)")
+    source = model_path or default_model_path()
+    if weights == "auto":
+        # What a replica serves: the formats measured fastest on this machine for each path.
+        model, _ = load_serving_model(source, "auto", threads=threads)
+        timed = f"auto: prefill={model.weights} decode={model.decode_weights}"
+    else:
+        model = LlamaModel(read_checkpoint(source), weights=weights)  # type: ignore[arg-type]
+        timed = weights
+    shape = ModelShape.from_config(model.config, Path(source).stem)
+    progress(f"model {source} loaded ({timed}, {threads} threads)")
     layout = model.kv_layout(16)
     kv_bytes_per_token = layout.block_bytes // layout.block_size
     # One engine for every measurement, sized for the largest decode batch.
@@ -105,7 +117,9 @@ def run_profile(
     decode, decode_err = fit_decode(decode_points)
     transfer, transfer_err = fit_transfer(transfer_points)
     meta = {
-        "model": checkpoint.source,
+        "kind": "measured",
+        "signature": cpu_here(threads, timed, shape).to_dict(),
+        "model": source,
         "weights": weights,
         "threads": threads,
         "quick": quick,
