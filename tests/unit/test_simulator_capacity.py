@@ -17,11 +17,11 @@ PREFILL = PrefillModel(1.0, 0.0, 0.0)
 DECODE = DecodeModel(3.0, 1.0, 0.0)
 
 
-def profile(kv_capacity: int, kv_bytes: int = 0, transfer=TransferModel(0.0, 1.0)):
+def profile(kv_capacity: int, kv_bytes: int = 0) -> ReplicaProfile:
     return ReplicaProfile(
         prefill=PREFILL,
         decode=DECODE,
-        transfer=transfer,
+        transfer=TransferModel(0.0, 1.0),  # no latency, 1 GB/s
         chunk_tokens=1000,
         kv_bytes_per_token=kv_bytes,
         max_context=100_000,
