@@ -176,7 +176,11 @@ def mismatch_report(
     `against` names the other side ("this machine", "the fleet's h200"). A profile without a
     signature (measured before profiles recorded one) is reported as of an unknown machine."""
     raw = profile_meta.get("signature")
-    if raw is None:
+    try:
+        mine = HardwareSignature.from_dict(raw) if isinstance(raw, dict) else None
+    except (KeyError, TypeError):
+        mine = None  # written by hand or by another version: as good as none
+    if mine is None:
         return {
             "matches": False,
             "profile_signature": None,
@@ -186,7 +190,6 @@ def mismatch_report(
                 f"than {against}; measure one with `splitserve profile` there"
             ],
         }
-    mine = HardwareSignature.from_dict(raw)
     report: dict = {
         "matches": True,
         "profile_signature": mine.describe(),
