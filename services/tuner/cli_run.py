@@ -10,6 +10,7 @@ from pathlib import Path
 
 from services.profiler.costmodel import ReplicaProfile, load_profile
 from services.tuner.basis import fleet_cost, profile_basis
+from services.tuner.colocation import Colocation
 from services.tuner.fleet import TIER_PRIORITY, FleetConfig, RouterPolicy, assign_priorities
 from services.tuner.report import print_report, tune_json
 from services.tuner.search import Evaluator, tune
@@ -63,6 +64,7 @@ class TuneOptions:
     json: str | None
     fleet_hardware: str | None = None
     gpu_hour_usd: float | None = None
+    colocation: Colocation | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TuneOptions:
@@ -92,6 +94,7 @@ class TuneOptions:
             json=args.json,
             fleet_hardware=args.fleet_hardware,
             gpu_hour_usd=args.gpu_hour_usd,
+            colocation=args.colocated,
         )
 
 
@@ -131,7 +134,15 @@ def run_tune(options: TuneOptions) -> int:
         cache_tokens=options.cache_tokens,
         decode_max_batch=options.decode_max_batch,
     )
-    evaluator = Evaluator(trace, profile, options.slo, fleet, priorities, slo_priorities(options))
+    evaluator = Evaluator(
+        trace,
+        profile,
+        options.slo,
+        fleet,
+        priorities,
+        slo_priorities(options),
+        options.colocation,
+    )
     result = tune(evaluator, options.max_replicas)
     cost = fleet_cost(trace, profile, result.best.replicas, options.gpu_hour_usd)
     print_report(result, options.model_id, basis, cost)

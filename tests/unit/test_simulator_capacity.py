@@ -90,3 +90,21 @@ def test_pushes_share_the_prefill_replicas_link():
     # With two prefill replicas each prefills at once and pushes over its own link.
     apart = simulate(toy, profile(10_000, kv_bytes=15_000), FleetConfig(2, 1))
     assert apart.ttft_ms.tolist() == pytest.approx([2.5, 2.5])
+
+
+def test_colocated_replicas_slow_each_other_by_the_neighbours_utilization():
+    from services.tuner.colocation import Colocation, simulate_colocated
+
+    # A short prompt with a long reply keeps the decode replica busy; a 500-token prompt
+    # arrives meanwhile and prefills while decode is busy.
+    toy = trace([0, 50], [10, 500], [200, 2])
+    p = profile(10_000)
+    alone, factors = simulate_colocated(toy, p, FleetConfig(1, 1), Colocation(1.0, 1.0))
+    assert factors == {"prefill_factor": 1.0, "decode_factor": 1.0}
+    assert alone.ttft_ms.tolist() == simulate(toy, p, FleetConfig(1, 1)).ttft_ms.tolist()
+    shared, factors = simulate_colocated(toy, p, FleetConfig(1, 1), Colocation(2.0, 1.0))
+    # Prefill runs at 1 + u_d of its speed alone (1 ms steps here): the second prompt's one
+    # step takes exactly that factor; decode does not slow (D = 1).
+    assert 1.0 < factors["prefill_factor"] < 2.0 and factors["decode_factor"] == 1.0
+    assert shared.ttft_ms[1] == pytest.approx(factors["prefill_factor"] * 1.0)
+    assert shared.itl_ms.tolist() == pytest.approx(alone.itl_ms.tolist(), rel=0.05)
