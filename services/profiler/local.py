@@ -25,8 +25,11 @@ PROFILE_CACHE_VERSION = 1  # bump when what a profile measures changes
 def cache_path(weights: str, threads: int, quick: bool, model_path: str | None = None) -> Path:
     from shared.modelfile.default import default_model_path
 
+    from shared.kvcache.kv_dtype import resolve_kv_dtype
+
     shape = read_model_shape(model_path or default_model_path())
-    key = cpu_here(threads, weights, shape).to_dict() | {
+    kv = str(resolve_kv_dtype("auto")[0]).removeprefix("torch.")  # what a replica serves with
+    key = cpu_here(threads, weights, shape, kv).to_dict() | {
         "quick": quick,
         "version": PROFILE_CACHE_VERSION,
     }

@@ -64,6 +64,7 @@ def run_profile(
     # What `splitserve up` gives a replica unless configured otherwise.
     kv_cache_bytes: int = defaults.KV_CACHE_BYTES,
     chunk_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
+    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE,
     progress: Callable[[str], None] = _stderr,
 ) -> ReplicaProfile:
     import torch
@@ -72,6 +73,7 @@ def run_profile(
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.engine.model_setup import load_serving_model
+    from shared.kvcache.kv_dtype import resolve_kv_dtype
     from shared.model.llama import LlamaModel
     from shared.model.loader import read_checkpoint
     from shared.modelfile.default import default_model_path
@@ -90,7 +92,10 @@ def run_profile(
         timed = weights
     shape = ModelShape.from_config(model.config, Path(source).stem)
     progress(f"model {source} loaded ({timed}, {threads} threads)")
-    layout = model.kv_layout(16)
+    # The KV element type a replica serves with (`auto`: fp16 where this CPU converts it).
+    kv_dtype, _ = resolve_kv_dtype(kv_cache_dtype)
+    kv_name = str(kv_dtype).removeprefix("torch.")
+    layout = model.kv_layout(16, kv_dtype)
     kv_bytes_per_token = layout.block_bytes // layout.block_size
     # One engine for every measurement, sized for the largest decode batch.
     room = max(grid.decode_batches) * (max(grid.decode_contexts) + 64) + 4 * max(
@@ -103,6 +108,7 @@ def run_profile(
             max_num_seqs=max(64, max(grid.decode_batches)),
             max_num_batched_tokens=chunk_tokens,
             num_threads=threads,
+            kv_cache_dtype=kv_name,  # type: ignore[arg-type]
         ),
         model=model,
     )
@@ -118,7 +124,8 @@ def run_profile(
     transfer, transfer_err = fit_transfer(transfer_points)
     meta = {
         "kind": "measured",
-        "signature": cpu_here(threads, timed, shape).to_dict(),
+        "signature": cpu_here(threads, timed, shape, kv_name).to_dict(),
+        "kv_cache_dtype": kv_name,
         "model": source,
         "weights": weights,
         "threads": threads,

@@ -43,13 +43,15 @@ class HardwareSignature:
     weights: str  # the weight format(s) timed, e.g. "bf16" or "auto: prefill=fp32 decode=native"
     model: str
     config_hash: str
+    kv_dtype: str = ""  # the KV cache's element type ("" where not recorded)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: dict) -> HardwareSignature:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        optional = {"kv_dtype": ""}
+        return cls(**{k: raw[k] if k in raw else optional[k] for k in cls.__dataclass_fields__})
 
     @property
     def flags_digest(self) -> str:
@@ -65,10 +67,13 @@ class HardwareSignature:
             where += f" x{self.cores} (tensor parallel)"
         if not self.model:  # a machine, not a profile: nothing was timed on it
             return where
-        return f"{where}; {self.model} [{self.config_hash}] in {self.weights}"
+        kv = f", KV {self.kv_dtype}" if self.kv_dtype else ""
+        return f"{where}; {self.model} [{self.config_hash}] in {self.weights}{kv}"
 
 
-def cpu_here(threads: int, weights: str, shape: ModelShape) -> HardwareSignature:
+def cpu_here(
+    threads: int, weights: str, shape: ModelShape, kv_dtype: str = ""
+) -> HardwareSignature:
     """This machine as a CPU replica sees it."""
     _, model, flags = cpu_signature().split("|", 2)
     return HardwareSignature(
@@ -80,6 +85,7 @@ def cpu_here(threads: int, weights: str, shape: ModelShape) -> HardwareSignature
         weights=weights,
         model=shape.name,
         config_hash=shape.config_hash,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -160,7 +166,7 @@ def differences(
             out.append(Difference("cpu flags", profile.flags_digest, note))
     fields = ["cores"] if profile.device == other.device else []
     if not hardware_only:
-        fields += ["threads", "weights", "config_hash"]
+        fields += ["threads", "weights", "kv_dtype", "config_hash"]
     for name in fields:
         mine_v, theirs_v = getattr(profile, name), getattr(other, name)
         if mine_v != theirs_v:
