@@ -23,9 +23,8 @@ PROFILE_CACHE_VERSION = 1  # bump when what a profile measures changes
 
 
 def cache_path(weights: str, threads: int, quick: bool, model_path: str | None = None) -> Path:
-    from shared.modelfile.default import default_model_path
-
     from shared.kvcache.kv_dtype import resolve_kv_dtype
+    from shared.modelfile.default import default_model_path
 
     shape = read_model_shape(model_path or default_model_path())
     kv = str(resolve_kv_dtype("auto")[0]).removeprefix("torch.")  # what a replica serves with
