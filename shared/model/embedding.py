@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shared.hostmem.huge_pages import copy_array
 from shared.model.gguf_file import Checkpoint
 
 QK = 32  # elements per Q8_0 block
@@ -48,9 +49,10 @@ class TokenEmbedding:
         blocks = checkpoint.q8_0_blocks.get("embed_tokens")
         if blocks is None or device.type != "cpu" or not keep_blocks:
             return cls(dense=checkpoint.tensors["embed_tokens"].to(device))
-        quants = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)
+        # On huge pages: a tied head streams all of these every step.
+        quants = copy_array(blocks[..., 2:34].view(np.int8))
         raw = np.ascontiguousarray(blocks[..., 0:2])
-        scales = np.ascontiguousarray(raw.view(np.float16)[..., 0].astype(np.float32))
+        scales = copy_array(raw.view(np.float16)[..., 0].astype(np.float32))
         return cls(quants=quants, scales=scales)
 
     @property

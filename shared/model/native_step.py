@@ -16,6 +16,7 @@ import torch
 
 from kernels.native import abi
 from kernels.native.build import NativeBuild, load
+from shared.hostmem.huge_pages import copy_array
 from shared.model.embedding import TokenEmbedding
 from shared.model.gguf_file import Checkpoint
 from shared.modelfile.config import ModelConfig
@@ -219,7 +220,11 @@ class NativeStep:
             (abi.Q8_0_A8 if int8 else abi.Q8_0, checkpoint.q8_0_blocks),
         ):
             if all(n in blocks for n in names):
-                quants, scales, mins = repack(kind, _stack([blocks[n] for n in names]))
+                # Copied onto huge pages: every step streams all of them (see huge_pages.py).
+                quants, scales, mins = (
+                    None if a is None else copy_array(a)
+                    for a in repack(kind, _stack([blocks[n] for n in names]))
+                )
                 arrays = [a for a in (quants, scales, mins) if a is not None]
                 self._keep.extend(arrays)
                 self._weight_bytes += sum(a.nbytes for a in arrays)
