@@ -97,7 +97,13 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
         fingerprint = tokenizer.fingerprint if tokenizer else (kv_salt or b"").decode()
         self.speculator = build_speculator(
-            config, self.max_model_len, config.model, fingerprint, model_cfg.vocab_size, draft
+            config,
+            self.max_model_len,
+            config.model,
+            fingerprint,
+            model_cfg.vocab_size,
+            draft,
+            target=self.model,
         )
         self.speculator.set_calibration(
             lambda: measure_step_costs(self.model, self.pool, self.blocks, config.block_size)
@@ -321,6 +327,8 @@ class Engine:
             and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         }
         run_start = time.perf_counter()
+        # Positions of each row's first computed token, before postprocess moves them on.
+        first_positions = [s.seq.num_computed_tokens for s in batch.scheduled]
         result = self.runner.run(batch.scheduled, want)
         if self.speculator.enabled and all(
             s.num_tokens - s.num_draft == 1 and s.completes_prompt for s in batch.scheduled
@@ -328,6 +336,10 @@ class Engine:
             # A pure decode/verify step: what the adaptive controller prices k with.
             self.speculator.observe_step(batch.num_batched_tokens, time.perf_counter() - run_start)
         outputs = self._postprocess(batch, result)
+        if self.speculator.consumes_hidden and result.hidden is not None:
+            self.speculator.observe_hidden(
+                batch.scheduled, first_positions, result.hidden, result.row_starts or []
+            )
         if self.step_observers:
             self._unobserved = (batch, start_ns, time.time_ns())
             if not defer_observers:
