@@ -56,6 +56,18 @@ def add_command(sub) -> None:
     )
     t.add_argument("--max-new-tokens", type=int, default=160, help="reply length cap")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--from-log",
+        default=None,
+        metavar="LOG",
+        help="train a draft head (one layer over the target's hidden states) on a training "
+        "log the coordinator wrote (capture.training_log) instead of distilling from --prompts",
+    )
+    t.add_argument(
+        "--log-model",
+        default=None,
+        help="with --from-log: use only records of this model id (default: every record)",
+    )
     t.set_defaults(handler=run_train)
 
 
@@ -76,6 +88,9 @@ def run_train(args: argparse.Namespace) -> int:
             layers = tuple(int(x) for x in args.layers.split(","))
         except ValueError:
             return fail(f"--layers must be comma-separated layer numbers, got {args.layers!r}")
+
+    if args.from_log:
+        return run_train_head(args)
 
     import torch
 
@@ -123,6 +138,50 @@ def run_train(args: argparse.Namespace) -> int:
         f"{report.path} ({size_mb:.1f} MB): held-out top-1 agreement "
         f"{report.heldout_agreement:.3f} after {report.steps} steps on "
         f"{report.train_tokens} reply tokens"
+    )
+    return 0
+
+
+def run_train_head(args: argparse.Namespace) -> int:
+    """`--from-log`: the target's states are recomputed from the logged token ids."""
+    import torch
+
+    from shared.model.loader import read_checkpoint
+    from shared.modelfile.config import ModelFileError
+    from shared.modelfile.default import default_model_path
+    from shared.speculative.head_file import trained_head_path
+    from shared.speculative.head_train import HeadTrainConfig, train_head
+    from shared.speculative.training_log import TrainingLogError, read_training_log
+    from shared.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    try:
+        path = args.model or default_model_path()
+        checkpoint = read_checkpoint(path)
+        tokenizer = None if os.path.isdir(path) else Tokenizer.from_gguf(path)
+        turns = read_training_log(args.from_log, args.log_model)
+    except (ModelFileError, TrainingLogError, FileNotFoundError, ValueError) as exc:
+        return fail(str(exc))
+    vocab = checkpoint.config.vocab_size
+    conversations = [
+        t.conversation for t in turns if max(t.prompt_token_ids + t.completion_token_ids) < vocab
+    ]
+    fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
+    out = args.out or trained_head_path(path)
+    config = HeadTrainConfig(
+        max_minutes=args.max_minutes, vocab_size=args.vocab_size, lr=args.lr, seed=args.seed
+    )
+    stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
+    _stderr(f"[head] {len(conversations)} logged conversations from {args.from_log}")
+    try:
+        report = train_head(checkpoint, conversations, out, fingerprint, stop_ids, config, _stderr)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    size_mb = report.path.stat().st_size / 1e6
+    print(
+        f"{report.path} ({size_mb:.1f} MB): held-out first-guess agreement "
+        f"{report.initial_agreement:.3f} -> {report.heldout_agreement:.3f} after {report.steps} "
+        f"steps on {report.train_tokens} reply tokens ({report.elapsed_s / 60:.1f} CPU-min)"
     )
     return 0
 

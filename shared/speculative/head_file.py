@@ -20,6 +20,7 @@ from shared.speculative.draft_file import (
     check_vocabulary,
     load_payload,
     save_payload,
+    trained_draft_path,
 )
 from shared.speculative.draft_model import DraftConfig
 from shared.speculative.head_model import DraftHead
@@ -114,3 +115,10 @@ def read_head(path: str | Path, fingerprint: str, vocab_size: int) -> HeadFile:
         vocab_size,
     )
     return head
+
+
+def trained_head_path(model_path: str | Path) -> Path:
+    """Where `splitserve draft train --from-log` writes a model's head: `<stem>.head.pt`
+    where the draft would go (beside the model, or the user cache when that is read-only)."""
+    draft = trained_draft_path(model_path)
+    return draft.with_name(draft.name.removesuffix(".draft.pt") + ".head.pt")

@@ -5,14 +5,17 @@ sampling keeps the target's distribution."""
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 
 import pytest
 import torch
 
+from services.commands import draft_cmd
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
+from shared.model.loader import read_checkpoint
+from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
 from shared.sampling.params import SamplingParams
 from shared.speculative.draft_model import BatchKV, model_from_checkpoint
 from shared.speculative.head_file import read_head
@@ -20,6 +23,7 @@ from shared.speculative.head_load import load_head_proposer
 from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
 from shared.speculative.head_proposer import HeadDraftProposer
 from shared.speculative.head_train import HeadTrainConfig, train_head
+from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
 from tests.spec_helpers import checked_run, motif_prompts, pin_step_costs
 from tests.unit.test_spec_sampling import (
     PARAMS,
@@ -210,3 +214,39 @@ def test_head_sampling_matches_the_target_joint_distribution(tiny_model, head_fi
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]  # both paths were exercised
     assert _chi_square_p_value(samples, exact, SAMPLES) > 1e-3
     engine.blocks.check_integrity()
+
+
+def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
+    tiny_model, plain, tmp_path, capsys
+):
+    """Log -> `splitserve draft train --from-log` -> a head file the engine loads from
+    `draft_path` (the tiny target's states recomputed offline from the logged ids)."""
+    prompts, expected = plain
+    folder = write_hf_folder(tiny_checkpoint(0), tmp_path / "tiny")
+    log = TrainingLogWriter(tmp_path / "traffic.jsonl", 1.0)
+    for p, e in zip(prompts, expected, strict=True):
+        log.write([LoggedTurn("tiny", "default", p, e)])
+    out = tmp_path / "tiny.head.pt"
+    argv = ["draft", "train", "--model", str(folder), "--from-log", str(log.path)]
+    argv += ["--out", str(out), "--max-minutes", "0.05", "--vocab-size", "256", "--threads", "1"]
+    parser = argparse.ArgumentParser(prog="splitserve")
+    draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 0
+    captured = capsys.readouterr()
+    assert "held-out first-guess agreement" in captured.out
+    assert "[head] 8 logged conversations" in captured.err and "[head] saved" in captured.err
+    fingerprint = f"untokenized:{read_checkpoint(str(folder)).source}"  # the CLI's, for a folder
+    engine = Engine(
+        EngineConfig(
+            num_blocks=200,
+            speculative_method="draft",
+            num_speculative_tokens=4,
+            draft_path=str(out),
+        ),
+        model=tiny_model,
+        kv_salt=fingerprint.encode(),
+    )
+    assert "draft_unavailable" not in engine.spec_stats()
+    assert checked_run(engine, prompts[:3], GREEDY) == expected[:3]
+    assert engine.spec_stats()["verify_steps"] > 0
