@@ -10,13 +10,14 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.constraints import OutputConstraints, fit_drafts_to_grammar
+from shared.engine.draft_swap import DraftFileWatcher, DraftSwap
 from shared.engine.errors import RequestError
 from shared.engine.model_setup import load_serving_model
 from shared.engine.output import RequestOutput
 from shared.engine.runner import ModelRunner, StepResult
 from shared.engine.scheduler import ScheduledSeq, Scheduler, StepBatch
 from shared.engine.sequence import SeqStatus, Sequence
-from shared.engine.speculator_build import build_speculator
+from shared.engine.speculator_build import build_speculator, load_draft_file
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.disk_kv_tier import DiskKVTier
 from shared.kvcache.host_kv_tier import HostKVTier
@@ -96,6 +97,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
         fingerprint = tokenizer.fingerprint if tokenizer else (kv_salt or b"").decode()
+        self._fingerprint = fingerprint
         self.speculator = build_speculator(
             config,
             self.max_model_len,
@@ -119,6 +121,9 @@ class Engine:
         # Called on the engine thread after every non-empty step with (batch, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
         self.step_observers: list[Callable[[StepBatch, int, int], None]] = []
+        # New drafts offered from any thread (a file watcher, a test), installed between steps.
+        self.draft_swap = DraftSwap()
+        self._draft_watcher: DraftFileWatcher | None = None
         self._unobserved: tuple[StepBatch, int, int] | None = None  # see `step`
 
     # -- requests ------------------------------------------------------------------------
@@ -302,6 +307,21 @@ class Engine:
         """Grammar cache (compiled schemas, hits) and per-step mask timings."""
         return self.constraints.stats() | self.runner.mask_stats()
 
+    def watch_draft_file(self, path: str, interval_s: float = 2.0) -> DraftFileWatcher:
+        """Hot-swap to the draft at `path` whenever the file changes (see draft_swap.py)."""
+        fingerprint = self.tokenizer.fingerprint if self.tokenizer else self._fingerprint
+        vocab = self.model.config.vocab_size
+
+        def load(file):
+            return load_draft_file(
+                self.config, str(file), fingerprint, vocab, self.model, self.config.model
+            )
+
+        if self._draft_watcher is not None:
+            self._draft_watcher.stop()
+        self._draft_watcher = DraftFileWatcher(path, load, self.draft_swap, interval_s).start()
+        return self._draft_watcher
+
     def spec_stats(self) -> dict:
         """Speculative decoding: acceptance per method, histogram, and why a draft is off."""
         return self.speculator.stats.as_dict()
@@ -313,6 +333,9 @@ class Engine:
         `notify_observers()`: a driver hands the outputs on first, so no token waits for
         the step's telemetry."""
         self.notify_observers()  # a deferred step nobody notified is still observed, once
+        offer = self.draft_swap.take()
+        if offer is not None:
+            self.speculator.install_draft(offer.draft, offer.version)
         start_ns = time.time_ns()
         if self.speculator.enabled:
             self.speculator.attach_drafts(self.scheduler.running)

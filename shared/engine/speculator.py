@@ -64,6 +64,16 @@ class Speculator:
         # record.
         self._alpha_keys: dict[str, str] = {}
 
+    def install_draft(self, draft: DraftProposer, version: str) -> None:
+        """Serve `draft` from the next step on (engine thread, between steps: no sequence
+        holds a draft of the old one then). What was learnt of the old one is dropped."""
+        self.draft = draft
+        self.stats.draft_version = version
+        self.stats.draft_swaps += 1
+        self.stats.draft_unavailable = None
+        self._draft_cost = None
+        self.acceptance = AcceptanceTracker()
+
     def set_calibration(self, measure: Callable[[], dict[int, float]]) -> None:
         """Run once before the first adaptive decision: step seconds by query tokens."""
         self._calibrate = measure

@@ -35,7 +35,9 @@ def build_speculator(
         draft, reason = _load_draft(config, model_path, tokenizer_fingerprint, vocab_size, target)
         if reason is not None:
             log.warning("speculative decoding without a draft model (n-gram only): %s", reason)
-    return Speculator(config, max_model_len, draft, reason)
+    speculator = Speculator(config, max_model_len, draft, reason)
+    speculator.stats.draft_version = getattr(draft, "version", None)
+    return speculator
 
 
 def _load_draft(
@@ -47,10 +49,7 @@ def _load_draft(
 ) -> tuple[DraftProposer | None, str | None]:
     if importlib.util.find_spec("shared.speculative.draft_proposer") is None:
         return None, "the draft-model module (shared.speculative.draft_proposer) is not installed"
-    from shared.speculative.draft_file import DraftLoadError, draft_path_for
-    from shared.speculative.draft_proposer import load_draft_proposer
-    from shared.speculative.head_file import is_head_file
-    from shared.speculative.head_load import load_head_proposer
+    from shared.speculative.draft_file import draft_path_for
 
     if config.draft_path is not None:
         path = Path(config.draft_path)
@@ -60,6 +59,24 @@ def _load_draft(
 
             model_path = default_model_path()
         path = Path(draft_path_for(model_path))
+    return load_draft_file(config, str(path), fingerprint, vocab_size, target, model_path)
+
+
+def load_draft_file(
+    config: EngineConfig,
+    file: str,
+    fingerprint: str,
+    vocab_size: int,
+    target: LlamaModel | None,
+    model_path: str | None = None,
+) -> tuple[DraftProposer | None, str | None]:
+    """The draft (model or head) at `file` for this target, or None and why not."""
+    from shared.speculative.draft_file import DraftLoadError
+    from shared.speculative.draft_proposer import load_draft_proposer
+    from shared.speculative.head_file import is_head_file
+    from shared.speculative.head_load import load_head_proposer
+
+    path = Path(file)
     if not path.is_file():
         return None, f"no draft file at {path} (train one with `splitserve draft train`)"
     if not fingerprint and model_path is not None and model_path.endswith(".gguf"):

@@ -13,7 +13,9 @@ Each training window starts at a random point of the prompt, because serving han
 head no states for a prefix served from cache (head_proposer.py), and a little uniform noise
 on the input states stands in for the error of chained predictions.
 
-Budget and learning rate follow CPU time (time.process_time) as in draft_train.py.
+The held-out split is by a hash of the prompt (training_log.is_heldout), the slice
+`splitserve draft gate` replays. Budget and learning rate follow CPU time
+(time.process_time) as in draft_train.py.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from shared.speculative.draft_model import model_from_checkpoint
 from shared.speculative.draft_train import clock_line, lr_factor
 from shared.speculative.head_file import save_head
 from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from shared.speculative.training_log import is_heldout
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ def target_states(
     top_k: int,
     stop: Callable[[], bool],
     log: Callable[[str], None],
+    batch: int = 8,
 ) -> list[HeadSample]:
     """The target's states and top-k next-token distributions over each (ids, prompt_len),
     as far as `stop()` allows."""
@@ -88,20 +92,28 @@ def target_states(
     ).eval()
     out: list[HeadSample] = []
     tokens = 0
-    for ids, prompt_len in conversations:
+    limit = checkpoint.config.max_position
+    pending = [(ids[:limit], p) for ids, p in conversations]
+    for start in range(0, len(pending), batch):
         if stop():
             break
-        ids = ids[: checkpoint.config.max_position]
-        hidden = teacher(torch.tensor(ids)[None])[0]
-        # Output token j's label is the distribution at the position before it; one row more
-        # labels what would follow the last token (a head slot predicts two tokens ahead).
-        logits = teacher.logits(hidden[prompt_len - 1 :]).float()
-        top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
-        teacher_sample = TeacherSample(ids, prompt_len, top.indices, top.values)
-        out.append(HeadSample(teacher_sample, hidden.to(torch.bfloat16)))
-        tokens += len(ids)
-        if len(out) % 20 == 0:
-            log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
+        group = pending[start : start + batch]
+        width = max(len(ids) for ids, _ in group)
+        # Right padding under causal attention: a row's real positions never see its padding.
+        padded = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (ids, _) in enumerate(group):
+            padded[row, : len(ids)] = torch.tensor(ids)
+        hidden = teacher(padded)
+        for row, (ids, prompt_len) in enumerate(group):
+            states = hidden[row, : len(ids)]
+            # Output token j's label is the distribution at the position before it; one row
+            # more labels what follows the last token (a head slot predicts two ahead).
+            logits = teacher.logits(states[prompt_len - 1 :]).float()
+            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+            teacher_sample = TeacherSample(ids, prompt_len, top.indices, top.values)
+            out.append(HeadSample(teacher_sample, states.to(torch.bfloat16).clone()))
+            tokens += len(ids)
+        log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
     return out
 
 
@@ -118,18 +130,26 @@ def train_head(
     start, wall_start = time.process_time(), time.monotonic()
     budget = config.max_minutes * 60.0
     usable = [(ids, p) for ids, p in conversations if 1 <= p < len(ids)]
-    rng = random.Random(config.seed)
-    rng.shuffle(usable)
     if len(usable) < 2:
         raise ValueError("training needs at least 2 logged conversations with a completion")
+    held_in = [c for c in usable if is_heldout(c[0][: c[1]], config.heldout_fraction)]
+    train_in = [c for c in usable if not is_heldout(c[0][: c[1]], config.heldout_fraction)]
+    if not held_in or not train_in:  # tiny logs: the last conversation is held out
+        held_in, train_in = usable[-1:], usable[:-1]
+    rng = random.Random(config.seed)
+    rng.shuffle(train_in)
     data_deadline = start + budget * config.data_share
+    # Held-out first: a budget that runs out while recomputing states cuts training data.
     samples = target_states(
-        checkpoint, usable, config.top_k, lambda: time.process_time() > data_deadline, log
+        checkpoint,
+        held_in + train_in,
+        config.top_k,
+        lambda: time.process_time() > data_deadline,
+        log,
     )
-    if len(samples) < 2:
-        raise ValueError("the budget allowed fewer than 2 conversations; raise --max-minutes")
-    n_held = max(1, int(len(samples) * config.heldout_fraction))
-    held, train = samples[:n_held], samples[n_held:]
+    held, train = samples[: len(held_in)], samples[len(held_in) :]
+    if not train:
+        raise ValueError("the budget allowed no training conversations; raise --max-minutes")
     tc = checkpoint.config
     vocab_ids = build_vocab([s.teacher for s in train], config.vocab_size, sorted(stop_ids))
     to_head = target_to_draft_map(vocab_ids, tc.vocab_size)

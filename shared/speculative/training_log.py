@@ -16,6 +16,7 @@ import json
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +107,10 @@ def read_training_log(path: str | Path, model: str | None = None) -> list[Logged
         if model is None or turn.model == model:
             turns.append(turn)
     return turns
+
+
+def is_heldout(prompt_token_ids: list[int], fraction: float) -> bool:
+    """The held-out split, by a stable hash of the prompt: the trainer never trains on these
+    and `splitserve draft gate` replays exactly these, whatever order the log is read in."""
+    digest = zlib.crc32(",".join(map(str, prompt_token_ids)).encode())
+    return digest % 10_000 < fraction * 10_000

@@ -14,6 +14,7 @@ import torch
 from services.commands import draft_cmd
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
 from shared.sampling.params import SamplingParams
@@ -52,12 +53,16 @@ def plain(tiny_model):
 
 @pytest.fixture(scope="module")
 def head_file(tiny_model, plain, tmp_path_factory):
-    """A head trained on the tiny target's own greedy replies to the test prompts (twice:
-    one copy may land in the held-out split), so long accepted runs occur."""
+    """A head trained on the tiny target's own greedy replies to the test prompts, so that
+    long accepted runs occur; one more conversation is the held-out one."""
     prompts, expected = plain
-    conversations = [(p + r, len(p)) for p, r in zip(prompts, expected, strict=True)] * 2
+    conversations = [(p + r, len(p)) for p, r in zip(prompts, expected, strict=True)]
+    (extra,) = motif_prompts(1, seed=11)
+    conversations.append((extra + _engine(tiny_model).generate([extra], GREEDY)[0], len(extra)))
     path = tmp_path_factory.mktemp("head") / "tiny.head.pt"
-    config = HeadTrainConfig(max_minutes=2, max_steps=150, vocab_size=256, window=64, lr=1e-2)
+    config = HeadTrainConfig(
+        max_minutes=2, max_steps=150, vocab_size=256, window=64, lr=1e-2, heldout_fraction=1e-4
+    )
     report = train_head(
         tiny_checkpoint(seed=0), conversations, path, FINGERPRINT, config=config, log=lambda _: None
     )
@@ -250,3 +255,19 @@ def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
     assert "draft_unavailable" not in engine.spec_stats()
     assert checked_run(engine, prompts[:3], GREEDY) == expected[:3]
     assert engine.spec_stats()["verify_steps"] > 0
+
+
+@pytest.mark.parametrize(("weights", "decode_weights"), [("native", "native"), ("fp32", "native")])
+def test_head_drafts_from_the_native_steps_states(plain, head_file, weights, decode_weights):
+    """With the native C step on the decode path (and on both paths) the head reads the
+    hidden states that step returns: no second forward, greedy still plain decoding's."""
+    model = LlamaModel(tiny_checkpoint(seed=0), weights=weights, decode_weights=decode_weights)
+    prompts, _ = plain
+    expected = _engine(model).generate(prompts, GREEDY)
+    head = load_head_proposer(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size, model)
+    engine = _engine(model, "draft", head, num_speculative_tokens=5)
+    got = []
+    for i in range(0, len(prompts), 4):
+        got += checked_run(engine, prompts[i : i + 4], GREEDY)
+    assert got == expected
+    assert engine.spec_stats()["by_method"]["draft"]["accepted_tokens"] > 0
