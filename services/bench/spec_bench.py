@@ -28,6 +28,7 @@ from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
+from shared.speculative.head_file import read_head
 from shared.tokenizer import Tokenizer
 
 BENCH_HEADS = Path("~/.cache/splitserve/bench")
@@ -174,7 +175,9 @@ def run(
     if head_info is not None:
         result["head_training"] = head_info
     elif head_path is not None and "head" in methods:
-        result["head_training"] = {"path": head_path, "size_bytes": Path(head_path).stat().st_size}
+        stats = read_head(head_path, tokenizer.fingerprint, checkpoint.config.vocab_size).stats
+        size = Path(head_path).stat().st_size
+        result["head_training"] = {"path": head_path, "size_bytes": size, "stats": stats}
     for set_name, prompts in sets.items():
         for batch in BATCHES:
             plain: list[list[int]] | None = None
