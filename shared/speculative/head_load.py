@@ -23,7 +23,7 @@ def target_head_rows(target: LlamaModel, vocab_ids: torch.Tensor) -> torch.Tenso
 
 
 def attach(head: DraftHead, target: LlamaModel, vocab_ids: torch.Tensor) -> DraftHead:
-    head.attach_target(target.embed_tokens.float().cpu(), target_head_rows(target, vocab_ids))
+    head.attach_target(target.embed_tokens, target_head_rows(target, vocab_ids))
     return head
 
 

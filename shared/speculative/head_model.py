@@ -27,6 +27,8 @@ Neither shared matrix is trained or saved: both are handed in from the target at
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,10 @@ from shared.speculative.draft_model import (
     layer_out,
     layer_qkv,
 )
+
+
+class TargetEmbedding(Protocol):
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class DraftHead(nn.Module):
@@ -59,13 +65,15 @@ class DraftHead(nn.Module):
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position, torch.device("cpu")
         )
-        self.register_buffer("embed", torch.zeros(0, h), persistent=False)
+        # The target's token embedding, looked up by target id: a tensor, or the serving
+        # model's TokenEmbedding (its Q8_0 blocks: shared, not copied to 108 MiB of fp32).
+        self.embed: TargetEmbedding | None = None
         self.register_buffer("head_rows", torch.zeros(config.vocab_size, h), persistent=False)
 
-    def attach_target(self, embed: torch.Tensor, head_rows: torch.Tensor) -> None:
+    def attach_target(self, embed: TargetEmbedding, head_rows: torch.Tensor) -> None:
         if head_rows.shape != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"head rows {tuple(head_rows.shape)} do not fit the head's config")
-        self.embed = embed.detach().float()
+        self.embed = embed.detach().float() if isinstance(embed, torch.Tensor) else embed
         self.head_rows = head_rows.detach().float().contiguous()
 
     def forward(
@@ -85,7 +93,8 @@ class DraftHead(nn.Module):
         b, t, _ = features.shape
         offsets = torch.arange(t)
         positions = offsets[None, :].expand(b, t) if start is None else start[:, None] + offsets
-        x = self.fc(torch.cat([self.embed[next_ids], features], dim=-1))
+        assert self.embed is not None, "attach_target first"
+        x = self.fc(torch.cat([self.embed[next_ids].float(), features], dim=-1))
         x = decoder_layer(self.layer, c, self.rope, x, positions, kv, 0)
         return rms_norm(x, self.norm, c.rms_norm_eps)
 
@@ -107,7 +116,8 @@ class DraftHead(nn.Module):
         outputs: list[torch.Tensor] = []
         inputs = features
         for s in range(1, steps + 1):
-            x = self.fc(torch.cat([self.embed[next_ids], inputs], dim=-1))
+            assert self.embed is not None, "attach_target first"
+            x = self.fc(torch.cat([self.embed[next_ids].float(), inputs], dim=-1))
             q, k, v = layer_qkv(self.layer, c, self.rope, x, positions)
             keys.append(k)
             values.append(v)

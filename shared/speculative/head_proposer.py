@@ -122,7 +122,8 @@ class HeadDraftProposer:
             state.fed = min(state.fed, state.known - 1)  # at least one pair gives the next f
         steps = max(r.max_tokens for r in reqs)
         width = max(s.known - s.fed for s in states)
-        capacity = max(s.known for s in states) + steps
+        # Padding slots of a short chunk are written too (past its row's end, never attended).
+        capacity = max(s.fed for s in states) + width + steps
         for state in states:
             state.kv = state.kv.grown(self.head.config, capacity, state.fed)
         starts = [s.fed for s in states]
