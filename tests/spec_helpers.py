@@ -4,6 +4,8 @@ distribution q that differs from the target's p."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from shared.speculative.proposer import Draft, DraftRequest
@@ -71,3 +73,34 @@ class FixedQProposer:
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         pass
+
+
+def motif_prompts(count: int, seed: int = 3) -> list[list[int]]:
+    """Prompts of a repeated motif and a random tail: n-gram drafts find matches in them."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        motif = [rng.randrange(3, 80) for _ in range(rng.randrange(3, 7))]
+        tail = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 9))]
+        out.append(motif * rng.randrange(2, 6) + tail)
+    return out
+
+
+def checked_run(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Run prompts to completion, checking the block manager after every step and that no
+    KV block leaked at the end; returns each prompt's output ids."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    results: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_work:
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+        engine.blocks.check_integrity()
+    assert engine.blocks.num_available_blocks == engine.blocks.num_blocks  # nothing leaked
+    return [results[i] for i in ids]
+
+
+def pin_step_costs(engine, seconds: float = 0.01) -> None:
+    """Price every step alike for the adaptive controller: step times on a shared CPU are
+    noise at test sizes, so its choices then depend on acceptance only and nothing timed."""
+    engine.speculator.set_calibration(lambda: {n: seconds for n in range(1, 257)})
+    engine.speculator.observe_step = lambda num_tokens, seconds: None

@@ -14,32 +14,40 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 import torch
 
+from services.bench.spec_head import train_bench_head, write_replay_log
+from services.bench.spec_methods import METHODS, SETS
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
+from shared.speculative.head_file import read_head
 from shared.tokenizer import Tokenizer
 
-METHODS = ("none", "ngram", "draft", "adaptive")
+BENCH_HEADS = Path("~/.cache/splitserve/bench")
 BATCHES = (1, 8)
 PROMPTS_FILE = "spec_prompts.json"
 
 
 def load_prompt_sets(
-    tokenizer: Tokenizer, replay: Engine | None = None, reply_tokens: int = 64
+    tokenizer: Tokenizer,
+    replay: Engine | None = None,
+    reply_tokens: int = 64,
+    earlier: list[tuple[list[int], list[int]]] | None = None,
 ) -> dict[str, list[list[int]]]:
     """Token prompts per set. A chat conversation is a list of user turns; as in real
     traffic, each earlier turn's assistant reply is the target's own (greedy, plain decoding
     on `replay`, all conversations batched) and the whole conversation is resent with the
     last user turn: that last turn is what the benchmark decodes. Without `replay` (tests)
-    the earlier turns are left out."""
+    the earlier turns are left out. `earlier` collects each replayed (prompt, reply) pair:
+    traffic disjoint from what the benchmark times (a draft head trains on it)."""
     data = json.loads((resources.files("services.bench") / "data" / PROMPTS_FILE).read_text())
     chat, grounded = data["chat"], data["grounded"]
     system = {"role": "system", "content": chat["system"]}
@@ -53,6 +61,8 @@ def load_prompt_sets(
             continue
         prompts = [tokenizer.encode(tokenizer.apply_chat_template(histories[i])) for i in live]
         replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=reply_tokens))
+        if earlier is not None:
+            earlier.extend(zip(prompts, replies, strict=True))
         for i, reply in zip(live, replies, strict=True):
             text = tokenizer.decode([t for t in reply if t not in tokenizer.stop_token_ids])
             histories[i].append({"role": "assistant", "content": text.strip()})
@@ -104,18 +114,50 @@ def run(
     prompts_per_set: int | None = None,
     max_tokens: int | None = None,
     draft_path: str | None = None,
+    head_path: str | None = None,
+    head_minutes: float = 3.0,
+    methods: tuple[str, ...] = METHODS,
+    sets_wanted: tuple[str, ...] = SETS,
+    log: Callable[[str], None] = print,
 ) -> dict:
-    """``quick``: 4 prompts per set, 32 new tokens; the last two override (smoke tests)."""
+    """``quick``: 4 prompts per set, 32 new tokens; the last two override (smoke tests).
+    ``head_path``: the head for method `head`; None trains one on the replayed traffic
+    (``head_minutes`` CPU minutes) and reports how under `head_training`."""
+    if "none" not in methods:
+        methods = ("none", *methods)  # every speedup divides by it
     torch.set_num_threads(threads)
     path = model_path or default_model_path()
     tokenizer = Tokenizer.from_gguf(path)
-    model = LlamaModel(read_checkpoint(path), weights=weights)
+    checkpoint = read_checkpoint(path)
+    model = LlamaModel(checkpoint, weights=weights)
     replay = Engine(
         EngineConfig(model=path, weights=weights, kv_cache_bytes=256 << 20, num_threads=threads),  # type: ignore[arg-type]
         model=model,
         tokenizer=tokenizer,
     )
-    sets = load_prompt_sets(tokenizer, replay, reply_tokens=32 if quick else 64)
+    reply_tokens = 32 if quick else 64
+    earlier: list[tuple[list[int], list[int]]] = []
+    sets = load_prompt_sets(tokenizer, replay, reply_tokens=reply_tokens, earlier=earlier)
+    sets = {name: prompts for name, prompts in sets.items() if name in sets_wanted}
+    head_info = None
+    if "head" in methods and head_path is None:
+        folder = BENCH_HEADS.expanduser()
+        log_path = folder / f"{Path(path).stem}.replay-log.jsonl"
+        replayed = write_replay_log(
+            log_path,
+            replay,
+            tokenizer,
+            Path(path).stem,
+            earlier,
+            reply_tokens,
+            24 if quick else None,
+        )
+        log(f"[bench] {replayed[0]} replayed turns logged to {log_path} in {replayed[1]:.0f} s")
+        head = train_bench_head(
+            checkpoint, tokenizer, log_path, folder / f"{Path(path).stem}.head.pt",
+            head_minutes, replayed, log,
+        )  # fmt: skip
+        head_path, head_info = str(head.path), head.as_json()
     del replay
     max_tokens = max_tokens or (32 if quick else 96)
     per_set = prompts_per_set or (4 if quick else None)
@@ -130,19 +172,25 @@ def run(
         "sets": {},
         "acceptance_histograms": {},
     }
+    if head_info is not None:
+        result["head_training"] = head_info
+    elif head_path is not None and "head" in methods:
+        stats = read_head(head_path, tokenizer.fingerprint, checkpoint.config.vocab_size).stats
+        size = Path(head_path).stat().st_size
+        result["head_training"] = {"path": head_path, "size_bytes": size, "stats": stats}
     for set_name, prompts in sets.items():
         for batch in BATCHES:
             plain: list[list[int]] | None = None
             plain_rate = 0.0
-            for method in METHODS:
+            for method in methods:
                 config = EngineConfig(
                     model=path,
                     weights=weights,  # type: ignore[arg-type]
                     kv_cache_bytes=256 << 20,
                     num_threads=threads,
-                    speculative_method=method,  # type: ignore[arg-type]
+                    speculative_method="draft" if method == "head" else method,  # type: ignore[arg-type]
                     num_speculative_tokens=k,
-                    draft_path=draft_path,
+                    draft_path=head_path if method == "head" else draft_path,
                 )
                 engine = Engine(config, model=model, tokenizer=tokenizer)
                 decode_run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)

@@ -56,7 +56,44 @@ def add_command(sub) -> None:
     )
     t.add_argument("--max-new-tokens", type=int, default=160, help="reply length cap")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--from-log",
+        default=None,
+        metavar="LOG",
+        help="train a draft head (one layer over the target's hidden states) on a training "
+        "log the coordinator wrote (capture.training_log) instead of distilling from --prompts",
+    )
+    t.add_argument(
+        "--log-model",
+        default=None,
+        help="with --from-log: use only records of this model id (default: every record)",
+    )
     t.set_defaults(handler=run_train)
+    g = draft_sub.add_parser(
+        "gate",
+        help="accept a new draft only if it beats the current one and no draft on replayed "
+        "traffic, with identical greedy output",
+        description="Replays the training log's held-out conversations greedy at each batch "
+        "size with no draft, the current draft and the candidate; exit 0 when the candidate "
+        "is accepted (and installed with --install), 1 when refused.",
+    )
+    g.add_argument("--candidate", required=True, help="the new draft (head or model) file")
+    g.add_argument("--current", default=None, help="the draft in service (default: none)")
+    g.add_argument("--from-log", required=True, metavar="LOG", help="the training log")
+    g.add_argument("--log-model", default=None, help="use only records of this model id")
+    g.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+    )
+    g.add_argument("--weights", default="fp32", help="weight format the pool serves")
+    g.add_argument("--batches", default="1,8", help="production batch sizes, comma-separated")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=8, dest="k")
+    g.add_argument("--max-tokens", type=int, default=64, help="reply length replayed")
+    g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
+    g.add_argument("--heldout-fraction", type=float, default=0.1, help="as the trainer's")
+    g.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    g.add_argument("--install", default=None, help="on acceptance, copy the candidate here")
+    g.add_argument("--json", default=None, help="write the verdict here")
+    g.set_defaults(handler=run_gate)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -76,6 +113,9 @@ def run_train(args: argparse.Namespace) -> int:
             layers = tuple(int(x) for x in args.layers.split(","))
         except ValueError:
             return fail(f"--layers must be comma-separated layer numbers, got {args.layers!r}")
+
+    if args.from_log:
+        return run_train_head(args)
 
     import torch
 
@@ -125,6 +165,117 @@ def run_train(args: argparse.Namespace) -> int:
         f"{report.train_tokens} reply tokens"
     )
     return 0
+
+
+def run_train_head(args: argparse.Namespace) -> int:
+    """`--from-log`: the target's states are recomputed from the logged token ids."""
+    import torch
+
+    from shared.speculative.head_file import trained_head_path
+    from shared.speculative.head_train import HeadTrainConfig, train_head
+
+    torch.set_num_threads(args.threads)
+    try:
+        path, checkpoint, tokenizer, turns = _target_and_log(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    vocab = checkpoint.config.vocab_size
+    conversations = [
+        t.conversation for t in turns if max(t.prompt_token_ids + t.completion_token_ids) < vocab
+    ]
+    fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
+    out = args.out or trained_head_path(path)
+    config = HeadTrainConfig(
+        max_minutes=args.max_minutes, vocab_size=args.vocab_size, lr=args.lr, seed=args.seed
+    )
+    stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
+    _stderr(f"[head] {len(conversations)} logged conversations from {args.from_log}")
+    try:
+        report = train_head(checkpoint, conversations, out, fingerprint, stop_ids, config, _stderr)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    size_mb = report.path.stat().st_size / 1e6
+    print(
+        f"{report.path} ({size_mb:.1f} MB): held-out first-guess agreement "
+        f"{report.initial_agreement:.3f} -> {report.heldout_agreement:.3f} after {report.steps} "
+        f"steps on {report.train_tokens} reply tokens ({report.elapsed_s / 60:.1f} CPU-min)"
+    )
+    return 0
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        return fail(f"--batches must be comma-separated sizes, got {args.batches!r}")
+    if not batches or min(batches) < 1 or args.max_prompts < 1 or args.max_tokens < 1:
+        return fail("--batches, --max-prompts and --max-tokens must be >= 1")
+
+    import json
+
+    import torch
+
+    from services.bench.draft_gate import gate, install
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.model.llama import LlamaModel
+    from shared.speculative.training_log import is_heldout
+
+    torch.set_num_threads(args.threads)
+    try:
+        path, checkpoint, tokenizer, turns = _target_and_log(args)
+        model = LlamaModel(checkpoint, weights=args.weights)
+    except ValueError as exc:
+        return fail(str(exc))
+    prompts = [
+        t.prompt_token_ids for t in turns if is_heldout(t.prompt_token_ids, args.heldout_fraction)
+    ][: args.max_prompts]
+    if not prompts:
+        return fail(f"{args.from_log}: no held-out conversations to replay")
+    salt = None if tokenizer else f"untokenized:{checkpoint.source}".encode()
+
+    def make_engine(draft: str | None) -> Engine:
+        config = EngineConfig(
+            model=path,
+            weights=args.weights,
+            kv_cache_bytes=256 << 20,
+            num_threads=args.threads,
+            speculative_method="draft" if draft else "none",
+            num_speculative_tokens=args.k,
+            draft_path=draft,
+        )
+        return Engine(config, model=model, tokenizer=tokenizer, kv_salt=salt)
+
+    _stderr(f"[gate] replaying {len(prompts)} held-out prompts at batch sizes {batches}")
+    verdict = gate(make_engine, prompts, args.candidate, args.current, batches, args.max_tokens)
+    report = verdict.as_json()
+    if verdict.accepted and args.install:
+        report["installed"] = str(install(args.candidate, args.install))
+    for name, run in report["runs"].items():
+        _stderr(f"[gate] {name}: {run}")
+    print(("ACCEPTED: " if verdict.accepted else "REFUSED: ") + "; ".join(verdict.reasons))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if verdict.accepted else 1
+
+
+def _target_and_log(args: argparse.Namespace):
+    """(model path, checkpoint, tokenizer or None, logged turns); ValueError says what failed."""
+    from shared.model.loader import read_checkpoint
+    from shared.modelfile.config import ModelFileError
+    from shared.modelfile.default import default_model_path
+    from shared.speculative.training_log import TrainingLogError, read_training_log
+    from shared.tokenizer import Tokenizer
+
+    try:
+        path = args.model or default_model_path()
+        checkpoint = read_checkpoint(path)
+        tokenizer = None if os.path.isdir(path) else Tokenizer.from_gguf(path)
+        turns = read_training_log(args.from_log, args.log_model)
+    except (ModelFileError, TrainingLogError, FileNotFoundError) as exc:
+        raise ValueError(str(exc)) from None
+    return path, checkpoint, tokenizer, turns
 
 
 def _stderr(line: str) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from services.commands.common import add_model_args
+from services.bench.spec_methods import METHODS, SETS
+from services.commands.common import add_model_args, fail
 
 
 def add_bench(kinds) -> None:
@@ -20,6 +22,19 @@ def add_bench(kinds) -> None:
     spec.add_argument(
         "--draft", default=None, help="draft file (default: the one beside the model)"
     )
+    spec.add_argument(
+        "--head",
+        default=None,
+        help="draft head for method `head` (default: train one on the bench's replayed chat "
+        "traffic, --head-minutes of CPU)",
+    )
+    spec.add_argument("--head-minutes", type=float, default=3.0, help="CPU minutes to train it")
+    spec.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)} (none always runs)",
+    )
+    spec.add_argument("--sets", default=",".join(SETS), help=f"subset of {','.join(SETS)}")
     spec.set_defaults(handler=run_spec)
 
 
@@ -28,8 +43,24 @@ def run_spec(args: argparse.Namespace) -> int:
     from services.bench.report import machine_info, print_table, write_json
 
     threads = args.threads or 2
+    methods = tuple(m for m in args.methods.split(",") if m)
+    sets = tuple(s for s in args.sets.split(",") if s)
+    if not set(methods) <= set(METHODS) or not set(sets) <= set(SETS) or not sets:
+        return fail(f"--methods must name {', '.join(METHODS)}; --sets {', '.join(SETS)}")
+    if not args.head_minutes > 0:
+        return fail(f"--head-minutes must be > 0, got {args.head_minutes}")
     result = spec_bench.run(
-        args.weights, args.model, threads, quick=args.quick, k=args.k, draft_path=args.draft
+        args.weights,
+        args.model,
+        threads,
+        quick=args.quick,
+        k=args.k,
+        draft_path=args.draft,
+        head_path=args.head,
+        head_minutes=args.head_minutes,
+        methods=methods,
+        sets_wanted=sets,
+        log=_stderr,
     )
     result["machine"] = machine_info()
     print_table(
@@ -42,3 +73,7 @@ def run_spec(args: argparse.Namespace) -> int:
         for path in spec_bench.write_plots(result, args.plot):
             print(f"wrote {path}")
     return 0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

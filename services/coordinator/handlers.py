@@ -45,6 +45,7 @@ from services.coordinator.schemas import ChatCompletionRequest, CompletionReques
 from services.coordinator.settings import APISettings
 from services.coordinator.targets import resolve_targets
 from services.coordinator.unsupported import refuse_unsupported
+from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
 from shared.telemetry.http_span import RequestTrace
 from shared.telemetry.tracing import Tracing
 
@@ -102,6 +103,12 @@ class GenerationHandler:
         self.model_routes = ModelRoutes(settings.model_routes)
         self.admission = Admission(settings.tiers)
         self._encoders: dict[str, PromptTokens] = {}  # per model: what conversations repeat
+        log_config = settings.training_log
+        self.training_log = (
+            TrainingLogWriter(log_config.path, log_config.sample_ratio)
+            if log_config is not None and log_config.enabled
+            else None
+        )
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         trace = RequestTrace(
@@ -274,6 +281,8 @@ class GenerationHandler:
         if outcome == 200:
             elapsed = time.monotonic() - progress.started
             self.metrics.e2e.labels(progress.model, progress.tier).observe(elapsed)
+        if outcome == 200 and self.training_log is not None and self.training_log.sampled():
+            self._log_for_training(state, progress.tier)
         metadata = state.structured_metadata()  # counted by metrics and spans as lists
         if progress.trace is not None:
             progress.trace.record_result(
@@ -285,6 +294,27 @@ class GenerationHandler:
                 outputs=[c.text for c in state.choices],
             )
         self._count(progress, endpoint, outcome, metadata)
+
+    def _log_for_training(self, state: ResponseState, tier: str) -> None:
+        """Token ids only, to the training log alone: never to spans or the ordinary log."""
+        prepared = state.prepared
+        if prepared.drop_output:
+            return
+        assert self.training_log is not None
+        turns = [
+            LoggedTurn(
+                model=state.served_model,
+                tier=tier,
+                prompt_token_ids=list(prepared.prompt_ids[prepared.prompt_index(i)]),
+                completion_token_ids=list(choice.token_ids),
+            )
+            for i, choice in enumerate(state.choices)
+        ]
+        try:
+            self.training_log.write(turns)
+        except OSError as exc:
+            # A full disk must not fail a request that was served; say so without content.
+            log.warning("training log %s not written: %s", self.training_log.path, exc)
 
     def _count(
         self,

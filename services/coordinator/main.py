@@ -123,6 +123,7 @@ def api_settings(config: DeploymentConfig) -> APISettings:
         prices=dict(config.prices),
         model_routes=dict(config.routers),
         playground_enabled=config.playground.enabled,
+        training_log=config.capture.training_log if config.capture.training_log.enabled else None,
     )
 
 

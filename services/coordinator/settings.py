@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.coordinator.entitlements import ApiKey, KeyRing
 from shared.config.policy import ModelRoute, Price, TiersConfig, default_prices
+from shared.config.schema import TrainingLogConfig
 from shared.modelfile.default import DEFAULT_MODEL_ID
 
 
@@ -28,6 +29,8 @@ class APISettings:
     prices: dict[str, Price] = field(default_factory=default_prices)
     model_routes: dict[str, ModelRoute] = field(default_factory=dict)
     playground_enabled: bool = True  # serve /playground and its fleet and trace views
+    # Finished requests' token ids go here when the operator turned capture on; None = off.
+    training_log: TrainingLogConfig | None = None
 
     @property
     def keyring(self) -> KeyRing:

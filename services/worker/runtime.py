@@ -145,6 +145,10 @@ class WorkerRuntime:
             threading.Thread(
                 target=self.engine.constraints.warm, name="grammar-vocabulary", daemon=True
             ).start()
+        if spec.draft_path and spec.method in ("draft", "adaptive"):
+            # `splitserve draft gate` replaces this file when a better draft passed: the pool
+            # installs it between two steps, without a restart (shared/engine/draft_swap.py).
+            self.engine.watch_draft_file(spec.draft_path)
         self.async_engine = AsyncEngine(self.engine)
         options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
         self.transfer: TransferBackend = create_transfer_backend(

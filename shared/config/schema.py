@@ -132,6 +132,23 @@ class TelemetryConfig(_Strict):
     )
 
 
+class TrainingLogConfig(_Strict):
+    """Finished requests as token ids, for training a draft on this deployment's traffic
+    (shared/speculative/training_log.py). Off by default: see README, consent and retention."""
+
+    enabled: bool = Field(False, description="log finished requests' token ids (opt-in)")
+    path: str = Field("splitserve-training-log.jsonl", description="JSON-lines file, appended")
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="fraction of finished requests logged"
+    )
+
+
+class CaptureConfig(_Strict):
+    """What the coordinator may keep of the traffic it serves, beyond metrics and spans."""
+
+    training_log: TrainingLogConfig = TrainingLogConfig()
+
+
 class PlaygroundConfig(_Strict):
     """The browser playground the coordinator serves at /playground (static files; every
     call it makes goes through the authenticated API)."""
@@ -166,6 +183,7 @@ class DeploymentConfig(_Strict):
     routers: ModelRoutesConfig = Field(default_factory=dict)
     router: RouterConfig = RouterConfig()
     playground: PlaygroundConfig = PlaygroundConfig()
+    capture: CaptureConfig = CaptureConfig()
 
     @field_validator("block_size")
     @classmethod

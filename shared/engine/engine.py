@@ -10,13 +10,14 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.constraints import OutputConstraints, fit_drafts_to_grammar
+from shared.engine.draft_swap import DraftFileWatcher, DraftSwap
 from shared.engine.errors import RequestError
 from shared.engine.model_setup import load_serving_model
 from shared.engine.output import RequestOutput
 from shared.engine.runner import ModelRunner, StepResult
 from shared.engine.scheduler import ScheduledSeq, Scheduler, StepBatch
 from shared.engine.sequence import SeqStatus, Sequence
-from shared.engine.speculator_build import build_speculator
+from shared.engine.speculator_build import build_speculator, load_draft_file
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.disk_kv_tier import DiskKVTier
 from shared.kvcache.host_kv_tier import HostKVTier
@@ -104,8 +105,15 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
         fingerprint = tokenizer.fingerprint if tokenizer else (kv_salt or b"").decode()
+        self._fingerprint = fingerprint
         self.speculator = build_speculator(
-            config, self.max_model_len, config.model, fingerprint, model_cfg.vocab_size, draft
+            config,
+            self.max_model_len,
+            config.model,
+            fingerprint,
+            model_cfg.vocab_size,
+            draft,
+            target=self.model,
         )
         self.speculator.set_calibration(
             lambda: measure_step_costs(self.model, self.pool, self.blocks, config.block_size)
@@ -121,6 +129,9 @@ class Engine:
         # Called on the engine thread after every non-empty step with (batch, start_ns, end_ns)
         # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
         self.step_observers: list[Callable[[StepBatch, int, int], None]] = []
+        # New drafts offered from any thread (a file watcher, a test), installed between steps.
+        self.draft_swap = DraftSwap()
+        self._draft_watcher: DraftFileWatcher | None = None
         self._unobserved: tuple[StepBatch, int, int] | None = None  # see `step`
 
     # -- requests ------------------------------------------------------------------------
@@ -304,6 +315,21 @@ class Engine:
         """Grammar cache (compiled schemas, hits) and per-step mask timings."""
         return self.constraints.stats() | self.runner.mask_stats()
 
+    def watch_draft_file(self, path: str, interval_s: float = 2.0) -> DraftFileWatcher:
+        """Hot-swap to the draft at `path` whenever the file changes (see draft_swap.py)."""
+        fingerprint = self.tokenizer.fingerprint if self.tokenizer else self._fingerprint
+        vocab = self.model.config.vocab_size
+
+        def load(file):
+            return load_draft_file(
+                self.config, str(file), fingerprint, vocab, self.model, self.config.model
+            )
+
+        if self._draft_watcher is not None:
+            self._draft_watcher.stop()
+        self._draft_watcher = DraftFileWatcher(path, load, self.draft_swap, interval_s).start()
+        return self._draft_watcher
+
     def spec_stats(self) -> dict:
         """Speculative decoding: acceptance per method, histogram, and why a draft is off."""
         return self.speculator.stats.as_dict()
@@ -315,6 +341,9 @@ class Engine:
         `notify_observers()`: a driver hands the outputs on first, so no token waits for
         the step's telemetry."""
         self.notify_observers()  # a deferred step nobody notified is still observed, once
+        offer = self.draft_swap.take()
+        if offer is not None:
+            self.speculator.install_draft(offer.draft, offer.version)
         start_ns = time.time_ns()
         if self.speculator.enabled:
             self.speculator.attach_drafts(self.scheduler.running)
@@ -329,6 +358,8 @@ class Engine:
             and s.seq.num_computed_tokens < s.seq.num_prompt_tokens
         }
         run_start = time.perf_counter()
+        # Positions of each row's first computed token, before postprocess moves them on.
+        first_positions = [s.seq.num_computed_tokens for s in batch.scheduled]
         result = self.runner.run(batch.scheduled, want)
         if self.speculator.enabled and all(
             s.num_tokens - s.num_draft == 1 and s.completes_prompt for s in batch.scheduled
@@ -336,6 +367,10 @@ class Engine:
             # A pure decode/verify step: what the adaptive controller prices k with.
             self.speculator.observe_step(batch.num_batched_tokens, time.perf_counter() - run_start)
         outputs = self._postprocess(batch, result)
+        if self.speculator.consumes_hidden and result.hidden is not None:
+            self.speculator.observe_hidden(
+                batch.scheduled, first_positions, result.hidden, result.row_starts or []
+            )
         if self.step_observers:
             self._unobserved = (batch, start_ns, time.time_ns())
             if not defer_observers:

@@ -31,6 +31,10 @@ class StepResult:
     verified: list[Verified] | None = None
     # With `verified`: row -> logprobs of its one token, for rows that asked (never drafted).
     verified_logprobs: dict[int, TokenLogprob] | None = None
+    # The final-normed hidden states of every computed row [sum(num_tokens), hidden], and
+    # where each scheduled sequence's rows start: what a draft head drafts from.
+    hidden: torch.Tensor | None = None
+    row_starts: list[int] | None = None
 
 
 class ModelRunner:
@@ -95,7 +99,9 @@ class ModelRunner:
         for index, (item, end) in enumerate(zip(scheduled, ends, strict=True)):
             if index in want_prompt_logprobs:
                 prompt_logprobs[index] = self._chunk_logprobs(item, hidden, end)
-        return StepResult(sampled, samples, prompt_logprobs, verified, verified_logprobs)
+        return StepResult(
+            sampled, samples, prompt_logprobs, verified, verified_logprobs, hidden, starts
+        )
 
     def _start_masks(self, sampled: list[ScheduledSeq]) -> PendingMasks | None:
         """Masks for the constrained rows among `sampled`, in the logits rows they will

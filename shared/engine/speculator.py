@@ -11,8 +11,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from shared.engine.config import EngineConfig
-from shared.engine.sequence import Sequence
+from shared.engine.scheduler import ScheduledSeq
+from shared.engine.sequence import SeqStatus, Sequence
 from shared.speculative.adaptive import (
     AcceptanceTracker,
     Candidate,
@@ -61,6 +64,16 @@ class Speculator:
         # record.
         self._alpha_keys: dict[str, str] = {}
 
+    def install_draft(self, draft: DraftProposer, version: str) -> None:
+        """Serve `draft` from the next step on (engine thread, between steps: no sequence
+        holds a draft of the old one then). What was learnt of the old one is dropped."""
+        self.draft = draft
+        self.stats.draft_version = version
+        self.stats.draft_swaps += 1
+        self.stats.draft_unavailable = None
+        self._draft_cost = None
+        self.acceptance = AcceptanceTracker()
+
     def set_calibration(self, measure: Callable[[], dict[int, float]]) -> None:
         """Run once before the first adaptive decision: step seconds by query tokens."""
         self._calibrate = measure
@@ -103,6 +116,29 @@ class Speculator:
         if method == "draft" and self.draft is not None and accepted < len(draft):
             # Called before the accepted tokens are appended to the sequence.
             self.draft.rollback(seq.request_id, seq.num_tokens + accepted)
+
+    @property
+    def consumes_hidden(self) -> bool:
+        """The draft drafts from the target's hidden states (a draft head)."""
+        return self.enabled and bool(getattr(self.draft, "consumes_hidden", False))
+
+    def observe_hidden(
+        self,
+        scheduled: list[ScheduledSeq],
+        first_positions: list[int],
+        hidden: torch.Tensor,
+        row_starts: list[int],
+    ) -> None:
+        """Hand the draft head the states of the tokens whose KV was kept this step (after
+        postprocess: a verified row's `num_tokens` is then 1 + accepted)."""
+        draft = self.draft
+        assert draft is not None
+        for item, position, row in zip(scheduled, first_positions, row_starts, strict=True):
+            if item.seq.status is SeqStatus.FINISHED:
+                continue  # released already; its state must not come back
+            draft.observe_hidden(  # type: ignore[attr-defined]
+                item.seq.request_id, position, hidden[row : row + item.num_tokens].clone()
+            )
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe(num_tokens, seconds)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shared.engine.config import EngineConfig
 from shared.engine.speculator import Speculator
+from shared.model.llama import LlamaModel
 from shared.speculative.proposer import DraftProposer
 
 log = logging.getLogger(__name__)
@@ -25,23 +26,30 @@ def build_speculator(
     tokenizer_fingerprint: str,
     vocab_size: int,
     draft: DraftProposer | None = None,
+    target: LlamaModel | None = None,
 ) -> Speculator:
-    """``draft`` injects a ready proposer (tests, benchmarks) instead of loading one."""
+    """``draft`` injects a ready proposer (tests, benchmarks) instead of loading one;
+    ``target`` lends a draft head its embedding and output rows."""
     reason = None
     if draft is None and config.speculative_method in ("draft", "adaptive"):
-        draft, reason = _load_draft(config, model_path, tokenizer_fingerprint, vocab_size)
+        draft, reason = _load_draft(config, model_path, tokenizer_fingerprint, vocab_size, target)
         if reason is not None:
             log.warning("speculative decoding without a draft model (n-gram only): %s", reason)
-    return Speculator(config, max_model_len, draft, reason)
+    speculator = Speculator(config, max_model_len, draft, reason)
+    speculator.stats.draft_version = getattr(draft, "version", None)
+    return speculator
 
 
 def _load_draft(
-    config: EngineConfig, model_path: str | None, fingerprint: str, vocab_size: int
+    config: EngineConfig,
+    model_path: str | None,
+    fingerprint: str,
+    vocab_size: int,
+    target: LlamaModel | None,
 ) -> tuple[DraftProposer | None, str | None]:
     if importlib.util.find_spec("shared.speculative.draft_proposer") is None:
         return None, "the draft-model module (shared.speculative.draft_proposer) is not installed"
-    from shared.speculative.draft_file import DraftLoadError, draft_path_for
-    from shared.speculative.draft_proposer import load_draft_proposer
+    from shared.speculative.draft_file import draft_path_for
 
     if config.draft_path is not None:
         path = Path(config.draft_path)
@@ -51,6 +59,24 @@ def _load_draft(
 
             model_path = default_model_path()
         path = Path(draft_path_for(model_path))
+    return load_draft_file(config, str(path), fingerprint, vocab_size, target, model_path)
+
+
+def load_draft_file(
+    config: EngineConfig,
+    file: str,
+    fingerprint: str,
+    vocab_size: int,
+    target: LlamaModel | None,
+    model_path: str | None = None,
+) -> tuple[DraftProposer | None, str | None]:
+    """The draft (model or head) at `file` for this target, or None and why not."""
+    from shared.speculative.draft_file import DraftLoadError
+    from shared.speculative.draft_proposer import load_draft_proposer
+    from shared.speculative.head_file import is_head_file
+    from shared.speculative.head_load import load_head_proposer
+
+    path = Path(file)
     if not path.is_file():
         return None, f"no draft file at {path} (train one with `splitserve draft train`)"
     if not fingerprint and model_path is not None and model_path.endswith(".gguf"):
@@ -59,6 +85,13 @@ def _load_draft(
         from shared.tokenizer import Tokenizer
 
         fingerprint = Tokenizer.from_gguf(model_path).fingerprint
+    if is_head_file(path):
+        if target is None:
+            return None, f"{path}: a draft head needs the target model it reads"
+        try:
+            return load_head_proposer(path, fingerprint, vocab_size, target), None
+        except DraftLoadError as exc:
+            return None, str(exc)
     try:
         proposer = load_draft_proposer(
             path, fingerprint, vocab_size, device=config.device, num_threads=config.num_threads

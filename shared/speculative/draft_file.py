@@ -63,25 +63,37 @@ def save_draft(
         "target_vocab_size": int(target_vocab_size),
         "stats": stats,
     }
-    # Write then rename: a crash mid-save must not leave a truncated file the pool would load.
+    return save_payload(path, payload)
+
+
+def save_payload(path: Path, payload: dict) -> Path:
+    # Write then rename: a crash mid-save must not leave a truncated file the pool would load
+    # (and a pool hot-swapping to this path never reads half a file).
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
     return path
 
 
-def read_draft(path: str | Path) -> DraftFile:
-    path = Path(path).expanduser()
+def load_payload(path: Path, format_name: str, what: str) -> dict:
+    """The dict saved at `path` if it is a `format_name` file; DraftLoadError otherwise."""
     if not path.is_file():
         raise DraftLoadError(
-            f"{path}: draft file does not exist (train one: splitserve draft train)"
+            f"{path}: {what} file does not exist (train one: splitserve draft train)"
         )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a bad file; all mean "corrupt"
-        raise DraftLoadError(f"{path}: not a readable draft file ({type(exc).__name__})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT_NAME:
-        raise DraftLoadError(f"{path}: not a splitserve draft file")
+        raise DraftLoadError(f"{path}: not a readable {what} file ({type(exc).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != format_name:
+        raise DraftLoadError(f"{path}: not a splitserve {what} file")
+    return payload
+
+
+def read_draft(path: str | Path) -> DraftFile:
+    path = Path(path).expanduser()
+    payload = load_payload(path, FORMAT_NAME, "draft")
     if payload.get("version") != FORMAT_VERSION:
         raise DraftLoadError(
             f"{path}: draft format version {payload.get('version')!r}, this build reads "
@@ -110,13 +122,32 @@ def read_draft(path: str | Path) -> DraftFile:
 
 
 def check_compatible(draft: DraftFile, path: str | Path, fingerprint: str, vocab_size: int) -> None:
-    if draft.target_fingerprint != fingerprint or draft.target_vocab_size != vocab_size:
+    check_vocabulary(
+        path,
+        draft.target_fingerprint,
+        draft.target_vocab_size,
+        draft.vocab_ids,
+        fingerprint,
+        vocab_size,
+    )
+
+
+def check_vocabulary(
+    path: str | Path,
+    trained_fingerprint: str,
+    trained_vocab_size: int,
+    vocab_ids: torch.Tensor,
+    fingerprint: str,
+    vocab_size: int,
+) -> None:
+    """A draft (model or head) fits a target only with the tokenizer it was trained for."""
+    if trained_fingerprint != fingerprint or trained_vocab_size != vocab_size:
         raise DraftLoadError(
-            f"{path}: the draft was trained for tokenizer {draft.target_fingerprint[:16]} "
-            f"(vocab {draft.target_vocab_size}) but the target has tokenizer {fingerprint[:16]} "
+            f"{path}: the draft was trained for tokenizer {trained_fingerprint[:16]} "
+            f"(vocab {trained_vocab_size}) but the target has tokenizer {fingerprint[:16]} "
             f"(vocab {vocab_size})"
         )
-    if int(draft.vocab_ids.max()) >= vocab_size:
+    if int(vocab_ids.max()) >= vocab_size:
         raise DraftLoadError(f"{path}: draft vocabulary has ids beyond the target's {vocab_size}")
 
 

@@ -78,8 +78,37 @@ class BatchKV:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
+    def grown(self, config: DraftConfig, capacity: int, keep: int) -> BatchKV:
+        """This cache with room for `capacity` positions (doubling), its first `keep` kept."""
+        if capacity <= self.capacity:
+            return self
+        grown = BatchKV.empty(config, self.keys[0].shape[0], max(capacity, 2 * self.capacity))
+        for old, new in zip(self.keys + self.values, grown.keys + grown.values, strict=True):
+            new[:, :, :keep] = old[:, :, :keep]
+        return grown
 
-class _Layer(nn.Module):
+
+def gather_kv(
+    config: DraftConfig, caches: list[BatchKV], lengths: list[int], capacity: int
+) -> BatchKV:
+    """Batch-of-one caches -> one padded batch cache holding each one's first lengths[b]."""
+    kv = BatchKV.empty(config, len(caches), capacity)
+    for row, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+        for dst, src in zip(kv.keys + kv.values, cache.keys + cache.values, strict=True):
+            dst[row, :, :n] = src[0, :, :n]
+    return kv
+
+
+def scatter_kv(kv: BatchKV, caches: list[BatchKV], spans: list[tuple[int, int]]) -> None:
+    """Copy positions [start, end) of batch row b back into caches[b] (the inverse of gather)."""
+    for row, (cache, (start, end)) in enumerate(zip(caches, spans, strict=True)):
+        for src, dst in zip(kv.keys + kv.values, cache.keys + cache.values, strict=True):
+            dst[0, :, start:end] = src[row, :, start:end]
+
+
+class DecoderLayer(nn.Module):
+    """One Llama decoder layer's weights (Q/K/V and gate/up fused), as the draft holds them."""
+
     def __init__(self, c: DraftConfig):
         super().__init__()
         d = c.head_dim
@@ -98,7 +127,7 @@ class DraftModel(nn.Module):
         c = config
         self.embed = nn.Parameter(torch.zeros(c.vocab_size + 1, c.hidden_size))
         self.head = None if c.tied else nn.Parameter(torch.zeros(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_position, torch.device("cpu"))
 
@@ -117,37 +146,67 @@ class DraftModel(nn.Module):
         """
         c = self.config
         b, t = ids.shape
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         offsets = torch.arange(t)
         positions = offsets[None, :].expand(b, t) if start is None else start[:, None] + offsets
-        cos = self.rope.cos[positions][:, None]  # [B, 1, T, d]
-        sin = self.rope.sin[positions][:, None]
-        mask = None
-        if kv is not None:
-            used = int(positions.max()) + 1
-            rows = torch.arange(b)[:, None]
-            mask = (torch.arange(used)[None, None, :] <= positions[:, :, None])[:, None]
         x = self.embed[ids]
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)
-            qk = RotaryEmbedding.apply(qkv[:, : hq + hkv], cos, sin)
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
-            if kv is None:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                keys, values = kv.keys[index], kv.values[index]
-                keys[rows, :, positions] = k.transpose(1, 2).to(keys.dtype)
-                values[rows, :, positions] = v.transpose(1, 2).to(values.dtype)
-                attn = _cached_attention(q, keys[:, :, :used], values[:, :, :used], mask)
-            x = x + layer.o_proj(attn.transpose(1, 2).reshape(b, t, hq * d))
-            h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = decoder_layer(layer, c, self.rope, x, positions, kv, index)
         return rms_norm(x, self.norm, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight)
+
+
+def decoder_layer(
+    layer: DecoderLayer,
+    c: DraftConfig,
+    rope: RotaryEmbedding,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    kv: BatchKV | None,
+    index: int,
+) -> torch.Tensor:
+    """x [B, T, hidden] through one layer. Without `kv`: plain causal attention over the T
+    tokens. With `kv`: row b's token t sits at cache position positions[b, t]; its K/V are
+    written there and it attends to every cached position at or before its own."""
+    b = x.shape[0]
+    q, k, v = layer_qkv(layer, c, rope, x, positions)
+    if kv is None:
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        used = int(positions.max()) + 1
+        rows = torch.arange(b)[:, None]
+        mask = (torch.arange(used)[None, None, :] <= positions[:, :, None])[:, None]
+        keys, values = kv.keys[index], kv.values[index]
+        keys[rows, :, positions] = k.transpose(1, 2).to(keys.dtype)
+        values[rows, :, positions] = v.transpose(1, 2).to(values.dtype)
+        attn = _cached_attention(q, keys[:, :, :used], values[:, :, :used], mask)
+    return layer_out(layer, c, x, attn)
+
+
+def layer_qkv(
+    layer: DecoderLayer, c: DraftConfig, rope: RotaryEmbedding, x: torch.Tensor, positions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's rotated queries [B, hq, T, d] and keys, and values [B, hkv, T, d]."""
+    b, t, _ = x.shape
+    hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+    cos = rope.cos[positions][:, None]  # [B, 1, T, d]
+    sin = rope.sin[positions][:, None]
+    h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+    qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d).transpose(1, 2)
+    qk = RotaryEmbedding.apply(qkv[:, : hq + hkv], cos, sin)
+    return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+
+
+def layer_out(
+    layer: DecoderLayer, c: DraftConfig, x: torch.Tensor, attn: torch.Tensor
+) -> torch.Tensor:
+    """The residual stream after the layer, given its attention output [B, hq, T, d]."""
+    b, t, _ = x.shape
+    x = x + layer.o_proj(attn.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+    h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+    gate, up = layer.gate_up(h).chunk(2, dim=-1)
+    return x + layer.down(F.silu(gate) * up)
 
 
 def _cached_attention(
@@ -200,11 +259,17 @@ def model_from_checkpoint(
             model.head.copy_(t["lm_head"][rows])
         model.norm.copy_(t["norm"])
         for layer, src in zip(model.layers, source_layers, strict=True):
-            p = f"layers.{src}."
-            layer.input_norm.copy_(t[p + "input_norm"])
-            layer.post_attention_norm.copy_(t[p + "post_attention_norm"])
-            layer.qkv.weight.copy_(torch.cat([t[p + n] for n in ("q_proj", "k_proj", "v_proj")]))
-            layer.o_proj.weight.copy_(t[p + "o_proj"])
-            layer.gate_up.weight.copy_(torch.cat([t[p + "gate_proj"], t[p + "up_proj"]]))
-            layer.down.weight.copy_(t[p + "down_proj"])
+            copy_target_layer(layer, t, src)
     return model
+
+
+@torch.no_grad()
+def copy_target_layer(layer: DecoderLayer, t: dict[str, torch.Tensor], src: int) -> None:
+    """Set `layer` to target layer `src` of checkpoint tensors `t`."""
+    p = f"layers.{src}."
+    layer.input_norm.copy_(t[p + "input_norm"])
+    layer.post_attention_norm.copy_(t[p + "post_attention_norm"])
+    layer.qkv.weight.copy_(torch.cat([t[p + n] for n in ("q_proj", "k_proj", "v_proj")]))
+    layer.o_proj.weight.copy_(t[p + "o_proj"])
+    layer.gate_up.weight.copy_(torch.cat([t[p + "gate_proj"], t[p + "up_proj"]]))
+    layer.down.weight.copy_(t[p + "down_proj"])

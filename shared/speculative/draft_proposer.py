@@ -22,7 +22,7 @@ from shared.speculative.draft_file import (
     draft_path_for,
     read_draft,
 )
-from shared.speculative.draft_model import BatchKV, DraftModel
+from shared.speculative.draft_model import BatchKV, DraftModel, gather_kv, scatter_kv
 from shared.speculative.proposer import Draft, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -36,13 +36,7 @@ class _RequestCache:
     kv: BatchKV  # batch of one: [1, kv_heads, capacity, head_dim] per layer
 
     def ensure(self, model: DraftModel, capacity: int) -> None:
-        if capacity <= self.kv.capacity:
-            return
-        grown = BatchKV.empty(model.config, 1, max(capacity, 2 * self.kv.capacity))
-        n = len(self.tokens)
-        for old, new in zip(self.kv.keys + self.kv.values, grown.keys + grown.values, strict=True):
-            new[:, :, :n] = old[:, :, :n]
-        self.kv = grown
+        self.kv = self.kv.grown(model.config, capacity, len(self.tokens))
 
 
 class ModelDraftProposer:
@@ -145,17 +139,11 @@ class ModelDraftProposer:
         return cache
 
     def _gather(self, caches: list[_RequestCache], starts: torch.Tensor, capacity: int) -> BatchKV:
-        kv = BatchKV.empty(self.model.config, len(caches), capacity)
-        for row, (cache, n) in enumerate(zip(caches, starts.tolist(), strict=True)):
-            for dst, src in zip(kv.keys + kv.values, cache.kv.keys + cache.kv.values, strict=True):
-                dst[row, :, :n] = src[0, :, :n]
-        return kv
+        return gather_kv(self.model.config, [c.kv for c in caches], starts.tolist(), capacity)
 
     def _scatter(self, caches: list[_RequestCache], kv: BatchKV, starts: torch.Tensor) -> None:
-        for row, (cache, n) in enumerate(zip(caches, starts.tolist(), strict=True)):
-            end = len(cache.tokens)
-            for src, dst in zip(kv.keys + kv.values, cache.kv.keys + cache.kv.values, strict=True):
-                dst[0, :, n:end] = src[row, :, n:end]
+        spans = [(n, len(c.tokens)) for c, n in zip(caches, starts.tolist(), strict=True)]
+        scatter_kv(kv, [c.kv for c in caches], spans)
 
     def _full_q(
         self, probs: list[torch.Tensor], row: int, m: int, wanted: bool

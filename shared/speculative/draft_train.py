@@ -118,7 +118,7 @@ def train_draft(
     log(
         f"[draft] data: {len(train)} train / {len(held)} held-out replies, {train_tokens} "
         f"train tokens, vocab {len(vocab_ids)}, layers {layers}, "
-        f"{_clock(start, wall_start, budget)}"
+        f"{clock_line(start, wall_start, budget)}"
     )
 
     params = list(model.parameters())
@@ -140,7 +140,7 @@ def train_draft(
             if frac >= 1.0:
                 break
             for group in opt.param_groups:
-                group["lr"] = config.lr * _schedule(frac)
+                group["lr"] = config.lr * lr_factor(frac)
             loss = _loss(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -155,7 +155,7 @@ def train_draft(
                 agreement, coverage = _evaluate(model, held_batches, vocab_ids)
                 log(
                     f"[draft] step {step}, {seen} tokens, loss {loss_avg:.3f}, held-out "
-                    f"agreement {agreement:.3f}, {_clock(start, wall_start, budget)}"
+                    f"agreement {agreement:.3f}, {clock_line(start, wall_start, budget)}"
                 )
     model.eval()
     agreement, coverage = _evaluate(model, held_batches, vocab_ids)
@@ -186,7 +186,7 @@ def train_draft(
     log(
         f"[draft] done: {step} steps, held-out top-1 agreement {agreement:.3f} "
         f"(target top-1 in draft vocab {coverage:.3f}), saved {report.path}, "
-        f"{_clock(start, wall_start, budget)}"
+        f"{clock_line(start, wall_start, budget)}"
     )
     return report
 
@@ -205,7 +205,7 @@ def _generate(
     teacher = model_from_checkpoint(checkpoint, layers, None).eval()
 
     def progress(samples: int, tokens: int) -> None:
-        clock = _clock(start, wall_start, budget)
+        clock = clock_line(start, wall_start, budget)
         log(f"[draft] generate: {samples} replies done, {tokens} tokens, {clock}")
 
     return generate_teacher_data(
@@ -290,13 +290,13 @@ def _evaluate(
     return agree / max(1, total), covered / max(1, total)
 
 
-def _schedule(frac: float) -> float:
+def lr_factor(frac: float) -> float:
     if frac < 0.05:
         return 0.1 + 0.9 * frac / 0.05
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (frac - 0.05) / 0.95))
 
 
-def _clock(start: float, wall_start: float, budget: float) -> str:
+def clock_line(start: float, wall_start: float, budget: float) -> str:
     cpu = time.process_time() - start
     wall = time.monotonic() - wall_start
     # Remaining CPU converted at the CPU/wall rate seen so far: honest on a busy machine.

@@ -50,6 +50,8 @@ class SpecStats:
     by_method: dict[str, MethodStats] = field(default_factory=dict)
     plain_steps: int = 0  # decode rows the controller chose not to speculate on
     draft_unavailable: str | None = None
+    draft_version: str | None = None  # of the draft in use (changes with a hot swap)
+    draft_swaps: int = 0  # drafts installed while serving
     # (draft tokens, accepted) per verified row since the last drain: fed to Prometheus. Bounded:
     # an engine without a metrics sink never drains it.
     pending: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=4096))
@@ -89,4 +91,7 @@ class SpecStats:
         }
         if self.draft_unavailable is not None:
             out["draft_unavailable"] = self.draft_unavailable
+        if self.draft_version is not None:
+            out["draft_version"] = self.draft_version
+            out["draft_swaps"] = self.draft_swaps
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -95,6 +95,13 @@ class EngineMetrics:
             buckets=_ACCEPT_BUCKETS,
             registry=registry,
         )
+        self.spec_draft_info = Gauge(
+            "splitserve_spec_decode_draft_info",
+            "1 for the draft version this engine drafts with (a hot swap moves the label)",
+            (*names, "version"),
+            registry=registry,
+        )
+        self._draft_version: str | None = None
         self.kv_pushes = Counter(
             "splitserve_kv_push",
             "KV pushes from this prefill replica by backend and outcome (done, failed, ...)",
@@ -108,6 +115,13 @@ class EngineMetrics:
         labels = self.labels
         for draft_tokens, accepted in self.engine.speculator.stats.drain():
             self.observe_speculation(draft_tokens, accepted)
+        version = self.engine.speculator.stats.draft_version
+        if version != self._draft_version:
+            if self._draft_version is not None:
+                self.spec_draft_info.remove(*labels, self._draft_version)
+            if version is not None:
+                self.spec_draft_info.labels(*labels, version).set(1)
+            self._draft_version = version
         self.batch_size.labels(*labels).observe(len(batch.scheduled))
         self.iteration_tokens.labels(*labels).observe(batch.num_batched_tokens)
         self.step_seconds.labels(*labels).observe((end_ns - start_ns) / 1e9)

@@ -47,6 +47,22 @@ def _chi_square_p_value(observed: Counter, expected: dict, total: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
+def sampling_engine(model, draft) -> Engine:
+    """The engine both sampling-distribution tests draw SAMPLES replies from, k = 2."""
+    return Engine(
+        EngineConfig(
+            num_blocks=512,
+            block_size=16,
+            speculative_method="draft",
+            num_speculative_tokens=2,
+            max_num_seqs=256,
+            seed=5,
+        ),
+        model=model,
+        draft=draft,
+    )
+
+
 def test_speculative_sampling_matches_the_target_joint_distribution(tiny_model):
     exact = _exact_joint(tiny_model)
     support = sorted({t for cell in exact for t in cell})
@@ -56,18 +72,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(tiny_model):
     for i, token in enumerate(support):
         q[token] = 1.0 + 2.0 * (i % 3)
     q[[1, 2, 500]] = 1.5
-    engine = Engine(
-        EngineConfig(
-            num_blocks=512,
-            block_size=16,
-            speculative_method="draft",
-            num_speculative_tokens=2,
-            max_num_seqs=256,
-            seed=5,
-        ),
-        model=tiny_model,
-        draft=FixedQProposer(q),
-    )
+    engine = sampling_engine(tiny_model, FixedQProposer(q))
     samples = Counter(tuple(out) for out in engine.generate([PROMPT] * SAMPLES, PARAMS))
     stats = engine.spec_stats()["by_method"]["draft"]
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]  # both paths were exercised

@@ -1,0 +1,128 @@
+"""`splitserve draft gate`: a new draft ships only if it pays on replayed traffic.
+
+The held-out slice of the training log (training_log.is_heldout: the conversations the
+trainer never saw) is replayed greedy at each production batch size with no draft, with the
+draft in service (if any) and with the candidate, on the same loaded weights. The candidate
+is accepted only if its greedy output equals plain decoding's at every batch size (a draft
+can never change it through exact verification, so a difference means a bug somewhere and
+must stop the rollout) and its decode tokens/s over the whole replay (all batch sizes
+together) beats both no-draft and the draft in service. Accepted, it can be installed at the
+pool's draft path atomically; the pools' watchers then swap it in between steps.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.bench.spec_bench import decode_run
+from shared.engine.engine import Engine
+from shared.sampling.params import SamplingParams
+
+
+@dataclass
+class GateRun:
+    name: str  # "none" | "current" | "candidate"
+    outputs: dict[int, list[list[int]]]  # batch size -> outputs
+    tokens: int  # decode-step tokens over every batch size
+    seconds: float
+    mean_accepted: float
+    draft_unavailable: str | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def as_json(self, plain: GateRun) -> dict:
+        out = {
+            "tok_s": round(self.tok_s, 2),
+            "speedup": round(self.tok_s / plain.tok_s, 3) if plain.tok_s else None,
+            "mean_accepted": self.mean_accepted,
+            "identical_greedy": self.outputs == plain.outputs,
+        }
+        if self.draft_unavailable:
+            out["draft_unavailable"] = self.draft_unavailable
+        return out
+
+
+@dataclass
+class GateVerdict:
+    accepted: bool
+    reasons: list[str]
+    runs: dict[str, GateRun] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        plain = self.runs["none"]
+        return {
+            "accepted": self.accepted,
+            "reasons": self.reasons,
+            "runs": {name: run.as_json(plain) for name, run in self.runs.items()},
+        }
+
+
+EngineFactory = Callable[[str | None], Engine]  # draft path (None: no draft) -> fresh engine
+
+
+def replay(
+    name: str,
+    make_engine: EngineFactory,
+    draft: str | None,
+    prompts: list[list[int]],
+    batches: tuple[int, ...],
+    max_tokens: int,
+) -> GateRun:
+    engine = make_engine(draft)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    decode_run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)  # warm
+    outputs, tokens, seconds = {}, 0, 0.0
+    for batch in batches:
+        outputs[batch], t, s = decode_run(engine, prompts, params, batch)
+        tokens, seconds = tokens + t, seconds + s
+    stats = engine.spec_stats()
+    mean = stats["mean_accepted"] if draft is not None else 1.0
+    return GateRun(name, outputs, tokens, seconds, mean, stats.get("draft_unavailable"))
+
+
+def decide(runs: dict[str, GateRun]) -> GateVerdict:
+    """The verdict on runs "none", "candidate" and (when a draft serves) "current"."""
+    plain, candidate = runs["none"], runs["candidate"]
+    reasons = []
+    if candidate.draft_unavailable:
+        reasons.append(f"the candidate did not load: {candidate.draft_unavailable}")
+    for batch, outputs in candidate.outputs.items():
+        if outputs != plain.outputs[batch]:
+            reasons.append(f"greedy output differs from plain decoding at batch {batch}")
+    for rival in ("none", "current"):
+        if rival in runs and candidate.tok_s <= runs[rival].tok_s:
+            reasons.append(
+                f"{candidate.tok_s:.1f} tok/s does not beat {rival}'s {runs[rival].tok_s:.1f}"
+            )
+    return GateVerdict(not reasons, reasons or ["faster than every rival, output identical"], runs)
+
+
+def gate(
+    make_engine: EngineFactory,
+    prompts: list[list[int]],
+    candidate: str,
+    current: str | None,
+    batches: tuple[int, ...] = (1, 8),
+    max_tokens: int = 64,
+) -> GateVerdict:
+    runs = {"none": replay("none", make_engine, None, prompts, batches, max_tokens)}
+    if current is not None:
+        runs["current"] = replay("current", make_engine, current, prompts, batches, max_tokens)
+    runs["candidate"] = replay("candidate", make_engine, candidate, prompts, batches, max_tokens)
+    return decide(runs)
+
+
+def install(candidate: str | Path, served: str | Path) -> Path:
+    """Copy the accepted candidate over the served draft path, atomically (copy, rename)."""
+    served = Path(served).expanduser()
+    served.parent.mkdir(parents=True, exist_ok=True)
+    tmp = served.with_name(served.name + ".installing")
+    shutil.copyfile(candidate, tmp)
+    os.replace(tmp, served)
+    return served

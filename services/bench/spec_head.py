@@ -1,0 +1,95 @@
+"""The draft head `splitserve bench spec` measures as method `head`: trained on a training log
+of chat traffic the bench replays itself, never on the replies it times.
+
+The log holds (1) the earlier turns of the bench's chat conversations with the target's own
+replies (the replay load_prompt_sets runs anyway; the timed prompts are the *last* turns,
+whose replies are never logged) and (2) the bundled persona chat prompts
+(shared/speculative/data/draft_prompts.jsonl) with the target's greedy replies: app-like
+traffic, written through the same TrainingLogWriter the coordinator uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.engine.engine import Engine
+from shared.model.gguf_file import Checkpoint
+from shared.sampling.params import SamplingParams
+from shared.speculative.draft_data import DEFAULT_PROMPTS, load_prompts
+from shared.speculative.head_train import HeadTrainConfig, HeadTrainReport, train_head
+from shared.speculative.training_log import LoggedTurn, TrainingLogWriter, read_training_log
+from shared.tokenizer import Tokenizer
+
+
+@dataclass
+class BenchHead:
+    path: Path
+    log_path: Path
+    logged_turns: int
+    replay_seconds: float  # wall seconds the target spent writing the logged replies
+    report: HeadTrainReport
+
+    def as_json(self) -> dict:
+        r = self.report
+        return {
+            "path": str(self.path),
+            "size_bytes": self.path.stat().st_size,
+            "log": str(self.log_path),
+            "logged_turns": self.logged_turns,
+            "replay_s": round(self.replay_seconds, 1),
+            "train_cpu_s": round(r.elapsed_s, 1),
+            "train_wall_s": round(r.wall_s, 1),
+            "train_reply_tokens": r.train_tokens,
+            "heldout_reply_tokens": r.heldout_tokens,
+            "steps": r.steps,
+            "heldout_first_guess_agreement": round(r.heldout_agreement, 4),
+            "initial_first_guess_agreement": round(r.initial_agreement, 4),
+        }
+
+
+def write_replay_log(
+    log_path: Path,
+    replay: Engine,
+    tokenizer: Tokenizer,
+    model_id: str,
+    earlier_turns: list[tuple[list[int], list[int]]],
+    reply_tokens: int,
+    max_prompts: int | None = None,
+) -> tuple[int, float]:
+    """The training log of replayed traffic; returns (turns logged, replay wall seconds)."""
+    log_path.unlink(missing_ok=True)
+    writer = TrainingLogWriter(log_path, 1.0)
+    writer.write([LoggedTurn(model_id, "default", p, r) for p, r in earlier_turns])
+    prompts = load_prompts(DEFAULT_PROMPTS, tokenizer)[:max_prompts]
+    start = time.monotonic()
+    replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=reply_tokens))
+    seconds = time.monotonic() - start
+    writer.write(
+        [LoggedTurn(model_id, "default", p, r) for p, r in zip(prompts, replies, strict=True)]
+    )
+    return writer.written, seconds
+
+
+def train_bench_head(
+    checkpoint: Checkpoint,
+    tokenizer: Tokenizer,
+    log_path: Path,
+    out: Path,
+    minutes: float,
+    replay: tuple[int, float],
+    log: Callable[[str], None],
+) -> BenchHead:
+    turns = read_training_log(log_path)
+    report = train_head(
+        checkpoint,
+        [t.conversation for t in turns],
+        out,
+        tokenizer.fingerprint,
+        tokenizer.stop_token_ids,
+        HeadTrainConfig(max_minutes=minutes),
+        log,
+    )
+    return BenchHead(report.path, log_path, replay[0], replay[1], report)

@@ -1,0 +1,8 @@
+"""What `splitserve bench spec` can measure (torch-free: the CLI parses against it)."""
+
+from __future__ import annotations
+
+# `head`: the draft head (shared/speculative/head_model.py) trained on the bench's own
+# replayed chat traffic (services/bench/spec_head.py), served as a `draft`.
+METHODS = ("none", "ngram", "draft", "adaptive", "head")
+SETS = ("chat", "grounded")

@@ -1,0 +1,181 @@
+"""The draft head as a DraftProposer: fed the target's hidden states after every step.
+
+Per request the head keeps the target's final-normed states of the positions it has seen and
+its own one-layer KV cache, both indexed by *slot* = position - origin. `origin` is the first
+position whose state the head saw: a prompt prefix served from the prefix cache, or KV pushed
+by a prefill replica, was never computed here, so its states do not exist; the head then
+attends over what it has (it is trained on windows that start mid-sequence for this reason).
+RoPE depends only on position differences, so slot-based positions change nothing.
+
+Slot i holds the pair (h_t, x_{t+1}) for t = origin + i and predicts h_{t+1}. Only states of
+tokens whose KV the target kept are observed (rejected drafts' rows are dropped by the
+engine), so the head's state needs no rollback: chained guesses occupy slots past the last
+true one and are overwritten by the next true pairs, never attended before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.speculative.draft_model import BatchKV, gather_kv, scatter_kv
+from shared.speculative.head_model import DraftHead
+from shared.speculative.proposer import Draft, DraftRequest
+
+
+@dataclass
+class _HeadState:
+    origin: int  # sequence position of slot 0
+    features: torch.Tensor  # [capacity, H]; slots [0, known) hold target states
+    known: int
+    fed: int  # slots whose true pair is in `kv`
+    kv: BatchKV
+
+    @property
+    def end(self) -> int:
+        """The first position without a target state."""
+        return self.origin + self.known
+
+
+class HeadDraftProposer:
+    name = "draft"
+    consumes_hidden = True  # the engine hands it the target's states (see observe_hidden)
+
+    def __init__(
+        self,
+        head: DraftHead,
+        vocab_ids: torch.Tensor,
+        target_vocab_size: int,
+        seed: int = 0,
+        version: str = "untracked",
+    ):
+        self.head = head.eval().requires_grad_(False)
+        self.version = version  # the head file's content hash (stats, /metrics)
+        self.vocab_ids = vocab_ids.long()  # head id -> target id
+        self.target_vocab_size = target_vocab_size
+        self._states: dict[str, _HeadState] = {}
+        self._generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_cached_requests(self) -> int:
+        return len(self._states)
+
+    def observed_span(self, request_id: str) -> tuple[int, int] | None:
+        """(origin, end) of the positions whose target states the head holds."""
+        state = self._states.get(request_id)
+        return (state.origin, state.end) if state else None
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Nothing to undo: only kept tokens' states were ever observed."""
+
+    def observe_hidden(self, request_id: str, start: int, states: torch.Tensor) -> None:
+        """The target's final-normed states [n, H] of positions start .. start + n - 1."""
+        n = states.shape[0]
+        if n == 0:
+            return
+        state = self._states.get(request_id)
+        if state is None or not state.origin <= start <= state.end:
+            # First sight, or a gap (cached prefix, recompute from scratch): a new window.
+            state = self._new_state(start, n)
+            self._states[request_id] = state
+        slot = start - state.origin
+        needed = slot + n
+        if needed > state.features.shape[0]:
+            grown = torch.empty(max(needed, 2 * state.features.shape[0]), states.shape[1])
+            grown[:slot] = state.features[:slot]
+            state.features = grown
+        state.features[slot:needed] = states
+        state.known = needed
+        state.fed = min(state.fed, slot)
+
+    def _new_state(self, origin: int, n: int) -> _HeadState:
+        c = self.head.config
+        return _HeadState(
+            origin=origin,
+            features=torch.empty(max(64, 2 * n), c.hidden_size),
+            known=0,
+            fed=0,
+            kv=BatchKV.empty(c, 1, max(64, 2 * n)),
+        )
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], sampling: list[bool]) -> list[Draft]:
+        drafts = [Draft(token_ids=[]) for _ in requests]
+        room = self.head.config.max_position
+        active: list[int] = []
+        for i, req in enumerate(requests):
+            state = self._states.get(req.request_id)
+            # The head continues from the state of the second-to-last token: without it (a
+            # sequence the engine never showed us in full) there is nothing to draft from.
+            if req.max_tokens > 0 and state is not None and state.end == len(req.token_ids) - 1:
+                if state.known + req.max_tokens < room:
+                    active.append(i)
+        if not active:
+            return drafts
+        reqs = [requests[i] for i in active]
+        states = [self._states[r.request_id] for r in reqs]
+        for state in states:
+            state.fed = min(state.fed, state.known - 1)  # at least one pair gives the next f
+        steps = max(r.max_tokens for r in reqs)
+        width = max(s.known - s.fed for s in states)
+        # Padding slots of a short chunk are written too (past its row's end, never attended).
+        capacity = max(s.fed for s in states) + width + steps
+        for state in states:
+            state.kv = state.kv.grown(self.head.config, capacity, state.fed)
+        starts = [s.fed for s in states]
+        c = self.head.config
+        features = torch.zeros(len(reqs), width, c.hidden_size)
+        next_ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        lens = []
+        for row, (req, state) in enumerate(zip(reqs, states, strict=True)):
+            n = state.known - state.fed
+            features[row, :n] = state.features[state.fed : state.known]
+            first = state.origin + state.fed + 1
+            next_ids[row, :n] = torch.tensor(req.token_ids[first : first + n])
+            lens.append(n)
+        kv = (
+            states[0].kv
+            if len(states) == 1
+            else gather_kv(c, [s.kv for s in states], starts, capacity)
+        )
+        out = self.head(features, next_ids, torch.tensor(starts), kv)
+        rows = torch.arange(len(reqs))
+        f = out[rows, torch.tensor(lens) - 1]
+        pos = torch.tensor([s.known for s in states])
+        want_q = [sampling[i] for i in active]
+        tokens, probs = [], []
+        for step in range(steps):
+            logits = self.head.logits(f)
+            q = torch.softmax(logits, dim=-1)
+            choice = logits.argmax(-1)
+            if any(want_q):
+                drawn = torch.multinomial(q, 1, generator=self._generator)[:, 0]
+                choice = torch.where(torch.tensor(want_q), drawn, choice)
+            tokens.append(choice)
+            probs.append(q)
+            if step + 1 < steps:
+                ids = self.vocab_ids[choice]
+                f = self.head(f[:, None], ids[:, None], pos.clamp(max=room - 1), kv)[:, 0]
+                pos = pos + 1
+        for state in states:
+            state.fed = state.known
+        if len(states) > 1:
+            scatter_kv(
+                kv,
+                [s.kv for s in states],
+                [(a, s.known) for a, s in zip(starts, states, strict=True)],
+            )
+        for row, (index, req) in enumerate(zip(active, reqs, strict=True)):
+            m = req.max_tokens
+            proposed = self.vocab_ids[torch.stack([t[row] for t in tokens[:m]])].tolist()
+            q_full = None
+            if want_q[row]:
+                # q is zero outside the head vocabulary; verification stays exact with it.
+                q_full = torch.zeros(m, self.target_vocab_size)
+                q_full[:, self.vocab_ids] = torch.stack([p[row] for p in probs[:m]])
+            drafts[index] = Draft(token_ids=proposed, probs=q_full)
+        return drafts

@@ -1,0 +1,325 @@
+"""Train a draft head on logged traffic, within a CPU-time budget, with a held-out split.
+
+The log holds token ids only (prompt + the completion the target served). The target's own
+final-normed states and next-token distributions are recomputed here offline, in one causal
+pass per conversation (the dense teacher of draft_model.py, every target layer): the serving
+engine is never asked for a second forward. Labels are the target's top-k distribution, not
+the logged token, so sampled completions still teach the target's greedy choices.
+
+Loss per slot (EAGLE): soft cross-entropy of the head's logits against the target's top-k
+next-token distribution restricted to the head vocabulary, plus a smooth-L1 regression of
+the predicted state onto the target's next state (what chained guesses feed back in).
+Each training window starts at a random point of the prompt, because serving hands the
+head no states for a prefix served from cache (head_proposer.py), and a little uniform noise
+on the input states stands in for the error of chained predictions.
+
+The held-out split is by a hash of the prompt (training_log.is_heldout), the slice
+`splitserve draft gate` replays. Budget and learning rate follow CPU time
+(time.process_time) as in draft_train.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.gguf_file import Checkpoint
+from shared.speculative.draft_data import TeacherSample, build_vocab, target_to_draft_map
+from shared.speculative.draft_model import model_from_checkpoint
+from shared.speculative.draft_train import clock_line, lr_factor
+from shared.speculative.head_file import save_head
+from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from shared.speculative.training_log import is_heldout
+
+
+@dataclass(frozen=True)
+class HeadTrainConfig:
+    max_minutes: float = 5.0
+    data_share: float = 0.5  # of the budget at most spent recomputing the target's states
+    vocab_size: int = 4096
+    top_k: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    window: int = 256  # slots per training window
+    batch_windows: int = 4
+    regression_weight: float = 1.0
+    chain_steps: int = 3  # guesses of a chain trained as served (DraftHead.forward_chained)
+    noise: float = 0.05  # uniform input-state noise, as a fraction of the states' RMS
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    max_steps: int | None = None  # stop after this many optimizer steps (tests)
+
+
+@dataclass
+class HeadSample:
+    teacher: TeacherSample  # ids, prompt length, top-k from the position before each token
+    states: torch.Tensor  # [len(token_ids), H] the target's final-normed states (bf16)
+
+
+@dataclass
+class HeadTrainReport:
+    path: Path
+    num_conversations: int
+    train_tokens: int
+    heldout_tokens: int
+    steps: int
+    heldout_agreement: float  # head top-1 == target top-1, first guess, held-out replies
+    initial_agreement: float
+    elapsed_s: float  # CPU seconds
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+@torch.inference_mode()
+def target_states(
+    checkpoint: Checkpoint,
+    conversations: Sequence[tuple[list[int], int]],
+    top_k: int,
+    stop: Callable[[], bool],
+    log: Callable[[str], None],
+    batch: int = 8,
+) -> list[HeadSample]:
+    """The target's states and top-k next-token distributions over each (ids, prompt_len),
+    as far as `stop()` allows."""
+    teacher = model_from_checkpoint(
+        checkpoint, tuple(range(checkpoint.config.num_layers)), None
+    ).eval()
+    out: list[HeadSample] = []
+    tokens = 0
+    limit = checkpoint.config.max_position
+    pending = [(ids[:limit], p) for ids, p in conversations]
+    for start in range(0, len(pending), batch):
+        if stop():
+            break
+        group = pending[start : start + batch]
+        width = max(len(ids) for ids, _ in group)
+        # Right padding under causal attention: a row's real positions never see its padding.
+        padded = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (ids, _) in enumerate(group):
+            padded[row, : len(ids)] = torch.tensor(ids)
+        hidden = teacher(padded)
+        for row, (ids, prompt_len) in enumerate(group):
+            states = hidden[row, : len(ids)]
+            # Output token j's label is the distribution at the position before it; one row
+            # more labels what follows the last token (a head slot predicts two ahead).
+            logits = teacher.logits(states[prompt_len - 1 :]).float()
+            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+            teacher_sample = TeacherSample(ids, prompt_len, top.indices, top.values)
+            out.append(HeadSample(teacher_sample, states.to(torch.bfloat16).clone()))
+            tokens += len(ids)
+        log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
+    return out
+
+
+def train_head(
+    checkpoint: Checkpoint,
+    conversations: Sequence[tuple[list[int], int]],
+    out: str | Path,
+    target_fingerprint: str,
+    stop_ids: frozenset[int] = frozenset(),
+    config: HeadTrainConfig = HeadTrainConfig(),
+    log: Callable[[str], None] = print,
+) -> HeadTrainReport:
+    torch.manual_seed(config.seed)
+    start, wall_start = time.process_time(), time.monotonic()
+    budget = config.max_minutes * 60.0
+    usable = [(ids, p) for ids, p in conversations if 1 <= p < len(ids)]
+    if len(usable) < 2:
+        raise ValueError("training needs at least 2 logged conversations with a completion")
+    held_in = [c for c in usable if is_heldout(c[0][: c[1]], config.heldout_fraction)]
+    train_in = [c for c in usable if not is_heldout(c[0][: c[1]], config.heldout_fraction)]
+    if not held_in or not train_in:  # tiny logs: the last conversation is held out
+        held_in, train_in = usable[-1:], usable[:-1]
+    rng = random.Random(config.seed)
+    rng.shuffle(train_in)
+    data_deadline = start + budget * config.data_share
+    # Held-out first: a budget that runs out while recomputing states cuts training data.
+    samples = target_states(
+        checkpoint,
+        held_in + train_in,
+        config.top_k,
+        lambda: time.process_time() > data_deadline,
+        log,
+    )
+    held, train = samples[: len(held_in)], samples[len(held_in) :]
+    if not train:
+        raise ValueError("the budget allowed no training conversations; raise --max-minutes")
+    tc = checkpoint.config
+    vocab_ids = build_vocab([s.teacher for s in train], config.vocab_size, sorted(stop_ids))
+    to_head = target_to_draft_map(vocab_ids, tc.vocab_size)
+    head = DraftHead(head_config(tc, len(vocab_ids)))
+    init_head_from_checkpoint(head, checkpoint.tensors)
+    t = checkpoint.tensors
+    head.attach_target(t["embed_tokens"], t.get("lm_head", t["embed_tokens"])[vocab_ids])
+    train_tokens = sum(s.teacher.num_output for s in train)
+    held_tokens = sum(s.teacher.num_output for s in held)
+    log(
+        f"[head] data: {len(train)} train / {len(held)} held-out conversations, "
+        f"{train_tokens} train reply tokens, vocab {len(vocab_ids)}, "
+        f"{clock_line(start, wall_start, budget)}"
+    )
+    held_windows = [_window(s, 0, len(s.teacher.token_ids), to_head) for s in held]
+    initial = _agreement(head, held_windows, vocab_ids)
+    # A fixed slice of training data, noise off: is the optimiser working at all?
+    probe = _pad([_window(s, 0, len(s.teacher.token_ids), to_head) for s in train[:8]])
+    exact = HeadTrainConfig(noise=0.0, regression_weight=config.regression_weight)
+    initial_train_loss = _mean_loss(head, probe, exact)
+    log(f"[head] before training: held-out first-guess agreement {initial:.3f}")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    train_start = time.process_time()
+    train_budget = max(1e-3, start + budget - train_start)
+    step, last_log, loss_avg = 0, train_start, float("nan")
+    while step != config.max_steps:
+        frac = (time.process_time() - train_start) / train_budget
+        if config.max_steps:
+            frac = max(frac, step / config.max_steps)
+        if frac >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = config.lr * lr_factor(frac)
+        windows = [
+            _sample_window(rng, train, config.window, to_head) for _ in range(config.batch_windows)
+        ]
+        loss = _loss(head, _pad(windows), config)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        value = float(loss.detach())
+        loss_avg = value if step == 1 else 0.95 * loss_avg + 0.05 * value
+        if time.process_time() - last_log > 20:
+            last_log = time.process_time()
+            agreement = _agreement(head, held_windows, vocab_ids)
+            log(
+                f"[head] step {step}: loss {loss_avg:.3f}, held-out agreement "
+                f"{agreement:.3f}, {clock_line(start, wall_start, budget)}"
+            )
+    agreement = _agreement(head, held_windows, vocab_ids)
+    elapsed = time.process_time() - start
+    report = HeadTrainReport(
+        path=Path(out),
+        num_conversations=len(samples),
+        train_tokens=train_tokens,
+        heldout_tokens=held_tokens,
+        steps=step,
+        heldout_agreement=agreement,
+        initial_agreement=initial,
+        elapsed_s=elapsed,
+        wall_s=time.monotonic() - wall_start,
+        extra={
+            "initial_train_loss": initial_train_loss,
+            "final_train_loss": _mean_loss(head, probe, exact),
+        },
+    )
+    stats = {
+        "heldout_agreement": agreement,
+        "initial_agreement": initial,
+        "steps": step,
+        "train_tokens": train_tokens,
+        "heldout_tokens": held_tokens,
+        "cpu_seconds": round(elapsed, 1),
+    }
+    report.path = save_head(out, head, vocab_ids, target_fingerprint, tc.vocab_size, stats)
+    log(f"[head] saved {report.path}: held-out agreement {initial:.3f} -> {agreement:.3f}")
+    return report
+
+
+@dataclass
+class _Window:
+    features: torch.Tensor  # [T, H] target states h_t
+    next_ids: torch.Tensor  # [T] x_{t+1}
+    next_states: torch.Tensor  # [T, H] h_{t+1} (regression target)
+    mask: torch.Tensor  # [T] slots whose prediction is a reply token
+    target_ids: torch.Tensor  # [T, k] head ids of the target's top-k for x_{t+2}
+    target_probs: torch.Tensor  # [T, k], zero outside the head vocabulary
+    top1: torch.Tensor  # [T] the target's top-1 (target id) for x_{t+2}
+
+
+def _window(s: HeadSample, a: int, b: int, to_head: torch.Tensor) -> _Window:
+    """Slots t in [a, b - 1): pair (h_t, x_{t+1}) predicting h_{t+1} and x_{t+2}."""
+    ids, p = s.teacher.token_ids, s.teacher.prompt_len
+    unk = int(to_head.max())  # target_to_draft_map's id for "outside the vocabulary"
+    slots = torch.arange(a, b - 1)
+    mask = slots + 2 >= p  # x_{t+2} is a reply token (its label exists)
+    label_rows = (slots + 2 - p).clamp(min=0, max=s.teacher.top_ids.shape[0] - 1)
+    top_ids = s.teacher.top_ids[label_rows]
+    mapped = to_head[top_ids]
+    probs = s.teacher.top_logprobs[label_rows].exp() * (mapped != unk)
+    return _Window(
+        features=s.states[a : b - 1].float(),
+        next_ids=torch.tensor(ids[a + 1 : b]),
+        next_states=s.states[a + 1 : b].float(),
+        mask=mask,
+        target_ids=mapped.clamp(max=unk - 1),
+        target_probs=probs,
+        top1=top_ids[:, 0],
+    )
+
+
+def _sample_window(
+    rng: random.Random, samples: list[HeadSample], length: int, to_head: torch.Tensor
+) -> _Window:
+    s = rng.choice(samples)
+    ids, p = s.teacher.token_ids, s.teacher.prompt_len
+    end = rng.randint(p + 1, len(ids)) if len(ids) > p + 1 else len(ids)
+    lowest = max(0, end - 1 - length)
+    a = rng.randint(lowest, max(lowest, min(p - 1, end - 2)))
+    return _window(s, a, end, to_head)
+
+
+def _pad(windows: list[_Window]) -> _Window:
+    t = max(w.features.shape[0] for w in windows)
+
+    def stack(name: str) -> torch.Tensor:
+        parts = []
+        for w in windows:
+            x = getattr(w, name)
+            pad = [0, 0] * (x.dim() - 1) + [0, t - x.shape[0]]
+            parts.append(F.pad(x, pad))
+        return torch.stack(parts)
+
+    return _Window(*(stack(n) for n in _Window.__dataclass_fields__))
+
+
+def _loss(head: DraftHead, w: _Window, config: HeadTrainConfig) -> torch.Tensor:
+    features = w.features
+    if config.noise:
+        rms = features.pow(2).mean().sqrt()
+        features = features + (torch.rand_like(features) - 0.5) * 2 * config.noise * rms
+    probs = w.target_probs / w.target_probs.sum(-1, keepdim=True).clamp(min=1e-9)
+    total = features.new_zeros(())
+    steps = head.forward_chained(features, w.next_ids, config.chain_steps)
+    for s, predicted in enumerate(steps, start=1):
+        mask = w.mask.clone()
+        mask[:, : s - 1] = False  # no chain of s guesses ends at the first s - 2 slots
+        if not mask.any():
+            continue
+        logp = torch.log_softmax(head.logits(predicted), dim=-1).gather(-1, w.target_ids)
+        ce = -(probs * logp).sum(-1)[mask].mean()
+        reg = F.smooth_l1_loss(predicted[mask], w.next_states[mask])
+        total = total + ce + config.regression_weight * reg
+    return total / len(steps)
+
+
+@torch.no_grad()
+def _mean_loss(head: DraftHead, window: _Window, config: HeadTrainConfig) -> float:
+    return float(_loss(head, window, config))
+
+
+@torch.no_grad()
+def _agreement(head: DraftHead, windows: list[_Window], vocab_ids: torch.Tensor) -> float:
+    """First-guess top-1 agreement with the target over the windows' reply slots."""
+    agree = total = 0
+    for w in windows:
+        guess = vocab_ids[head.logits(head(w.features[None], w.next_ids[None]))[0].argmax(-1)]
+        agree += int((guess[w.mask] == w.top1[w.mask]).sum())
+        total += int(w.mask.sum())
+    return agree / max(1, total)

@@ -1,0 +1,116 @@
+"""The training log: finished requests as token ids, for training a draft on real traffic.
+
+Written by the coordinator when the operator turns `capture.training_log` on (it is off by
+default); read by `splitserve draft train --from-log`. One JSON line per finished choice:
+{"v": 1, "time": unix seconds, "model": id, "tier": service tier, "prompt_token_ids": [...],
+"completion_token_ids": [...]}. Token ids only: no text, no key, no user, no request id, so
+the log says nothing a tokenizer-less reader could join with anything else; the ids still
+encode the conversation, which is why it is opt-in (README: consent and retention).
+
+Torch-free on purpose: the coordinator imports it (tests/unit/test_import_contract.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+LOG_VERSION = 1
+
+
+class TrainingLogError(ValueError):
+    """The log is missing or has a line that is not a training-log record."""
+
+
+@dataclass(frozen=True)
+class LoggedTurn:
+    model: str
+    tier: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+
+    @property
+    def conversation(self) -> tuple[list[int], int]:
+        """(prompt + completion, prompt length): what the head trainer reads."""
+        return self.prompt_token_ids + self.completion_token_ids, len(self.prompt_token_ids)
+
+
+class TrainingLogWriter:
+    """Appends sampled finished requests; safe to call from several threads."""
+
+    def __init__(self, path: str | Path, sample_ratio: float, rng: random.Random | None = None):
+        if not 0.0 <= sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be in [0, 1], got {sample_ratio}")
+        self.path = Path(path).expanduser()
+        self.sample_ratio = sample_ratio
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.written = 0
+
+    def sampled(self) -> bool:
+        """One draw per request: all of a request's choices are logged, or none."""
+        with self._lock:
+            return self._rng.random() < self.sample_ratio
+
+    def write(self, turns: list[LoggedTurn]) -> None:
+        lines = "".join(
+            json.dumps(
+                {
+                    "v": LOG_VERSION,
+                    "time": round(time.time(), 3),
+                    "model": t.model,
+                    "tier": t.tier,
+                    "prompt_token_ids": t.prompt_token_ids,
+                    "completion_token_ids": t.completion_token_ids,
+                },
+                separators=(",", ":"),
+            )
+            + "\n"
+            for t in turns
+            if t.completion_token_ids
+        )
+        if not lines:
+            return
+        # One write per request, under the lock: lines of concurrent requests never interleave.
+        with self._lock, self.path.open("a", encoding="utf-8") as f:
+            f.write(lines)
+            self.written += lines.count("\n")
+
+
+def read_training_log(path: str | Path, model: str | None = None) -> list[LoggedTurn]:
+    """Every record of the log (of `model` only, when given)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise TrainingLogError(f"{path}: training log does not exist")
+    turns = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turn = LoggedTurn(
+                model=str(row["model"]),
+                tier=str(row["tier"]),
+                prompt_token_ids=[int(t) for t in row["prompt_token_ids"]],
+                completion_token_ids=[int(t) for t in row["completion_token_ids"]],
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise TrainingLogError(f"{path}:{number}: not a training-log record ({exc})") from None
+        if row.get("v") != LOG_VERSION:
+            raise TrainingLogError(f"{path}:{number}: log version {row.get('v')!r} unknown")
+        if model is None or turn.model == model:
+            turns.append(turn)
+    return turns
+
+
+def is_heldout(prompt_token_ids: list[int], fraction: float) -> bool:
+    """The held-out split, by a stable hash of the prompt: the trainer never trains on these
+    and `splitserve draft gate` replays exactly these, whatever order the log is read in."""
+    digest = zlib.crc32(",".join(map(str, prompt_token_ids)).encode())
+    return digest % 10_000 < fraction * 10_000

@@ -1,0 +1,273 @@
+"""The draft head (EAGLE-style, over the target's hidden states) in the engine, tiny model:
+greedy output equals plain decoding at batch 1 and 8, stops inside accepted runs land where
+plain decoding puts them, the head's view of the target's states survives rollbacks, and
+sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import pytest
+import torch
+
+from services.commands import draft_cmd
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.model.llama import LlamaModel
+from shared.model.loader import read_checkpoint
+from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
+from shared.sampling.params import SamplingParams
+from shared.speculative.draft_model import BatchKV, model_from_checkpoint
+from shared.speculative.head_file import read_head
+from shared.speculative.head_load import load_head_proposer
+from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from shared.speculative.head_proposer import HeadDraftProposer
+from shared.speculative.head_train import HeadTrainConfig, train_head
+from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
+from tests.spec_helpers import checked_run, motif_prompts, pin_step_costs
+from tests.unit.test_spec_sampling import (
+    PARAMS,
+    PROMPT,
+    SAMPLES,
+    _chi_square_p_value,
+    _exact_joint,
+    sampling_engine,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+FINGERPRINT = "tiny-test-tokenizer"
+
+
+def _engine(model, method="none", draft=None, **overrides) -> Engine:
+    cfg = dict(num_blocks=200, block_size=4, speculative_method=method)
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg), model=model, draft=draft)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    prompts = motif_prompts(8, seed=3)
+    return prompts, _engine(tiny_model).generate(prompts, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def head_file(tiny_model, plain, tmp_path_factory):
+    """A head trained on the tiny target's own greedy replies to the test prompts, so that
+    long accepted runs occur; one more conversation is the held-out one."""
+    prompts, expected = plain
+    conversations = [(p + r, len(p)) for p, r in zip(prompts, expected, strict=True)]
+    (extra,) = motif_prompts(1, seed=11)
+    conversations.append((extra + _engine(tiny_model).generate([extra], GREEDY)[0], len(extra)))
+    path = tmp_path_factory.mktemp("head") / "tiny.head.pt"
+    config = HeadTrainConfig(
+        max_minutes=2, max_steps=150, vocab_size=256, window=64, lr=1e-2, heldout_fraction=1e-4
+    )
+    report = train_head(
+        tiny_checkpoint(seed=0), conversations, path, FINGERPRINT, config=config, log=lambda _: None
+    )
+    return report
+
+
+def test_chained_training_sees_what_serving_sees():
+    """forward_chained's step s at slot i equals s - 1 chained proposals after the true pairs
+    up to slot i - s + 1, through the KV cache: training optimises the served computation."""
+    checkpoint = tiny_checkpoint(seed=0)
+    head = DraftHead(head_config(TINY_CONFIG, 512))
+    init_head_from_checkpoint(head, checkpoint.tensors)
+    head.attach_target(checkpoint.tensors["embed_tokens"], checkpoint.tensors["embed_tokens"])
+    gen = torch.Generator().manual_seed(0)
+    t = 12
+    features = torch.randn(1, t, TINY_CONFIG.hidden_size, generator=gen)
+    ids = torch.randint(0, 512, (1, t), generator=gen)
+    with torch.no_grad():
+        chained = head.forward_chained(features, ids, 3)
+        for s in (1, 2, 3):
+            for i in range(s - 1, t):
+                last = i - s + 1
+                kv = BatchKV.empty(head.config, 1, 32)
+                f = head(features[:, : last + 1], ids[:, : last + 1], torch.tensor([0]), kv)[:, -1]
+                for r in range(2, s + 1):
+                    at = last + r - 1
+                    f = head(f[:, None], ids[:, at : at + 1], torch.tensor([at]), kv)[:, 0]
+                torch.testing.assert_close(f[0], chained[s - 1][0, i], atol=1e-4, rtol=1e-4)
+
+
+def _head(tiny_model, head_file) -> HeadDraftProposer:
+    return load_head_proposer(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size, tiny_model)
+
+
+def test_training_runs_end_to_end_and_learns(head_file):
+    assert head_file.steps == 150 and head_file.path.is_file()
+    assert head_file.extra["final_train_loss"] < 0.75 * head_file.extra["initial_train_loss"]
+    saved = read_head(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size)
+    assert saved.stats["steps"] == 150 and len(saved.version) == 12
+    assert set(saved.state_dict) == {"fc.weight", "norm"} | {
+        f"layer.{n}"
+        for n in (
+            "input_norm",
+            "post_attention_norm",
+            "qkv.weight",
+            "o_proj.weight",
+            "gate_up.weight",
+            "down.weight",
+        )
+    }  # the target's embedding and output rows are shared, not stored
+
+
+@pytest.mark.parametrize("method", ["draft", "adaptive"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_head_greedy_equals_plain(tiny_model, plain, head_file, method, batch):
+    prompts, expected = plain
+    engine = _engine(tiny_model, method, _head(tiny_model, head_file), num_speculative_tokens=5)
+    if method == "adaptive":
+        pin_step_costs(engine)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got += checked_run(engine, prompts[i : i + batch], GREEDY)
+    assert got == expected
+    stats = engine.spec_stats()
+    assert stats["verify_steps"] > 0  # it speculated (adaptive may prefer n-grams per row)
+    if method == "draft":
+        assert stats["by_method"]["draft"]["accepted_tokens"] > 0
+    assert engine.speculator.draft.num_cached_requests == 0  # released with each request
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_stops_inside_accepted_runs(tiny_model, plain, head_file, batch):
+    prompts, expected = plain
+    head = _head(tiny_model, head_file)
+    engine = _engine(tiny_model, "draft", head, num_speculative_tokens=8)
+    # A stop token that plain decoding emits after several tokens, and a length limit.
+    params = []
+    for i, cont in enumerate(expected[:batch]):
+        stop_at = next((j for j in range(4, len(cont)) if cont[j] not in cont[:j]), None)
+        if stop_at is None or i % 2:
+            params.append(SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True))
+        else:
+            stop = [cont[stop_at]]
+            params.append(
+                SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=stop, ignore_eos=True)
+            )
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:batch], params, strict=True)]
+    results: dict[str, list[int]] = {i: [] for i in ids}
+    for out in engine.run_until_done():
+        results[out.request_id].extend(out.new_token_ids)
+    for rid, sp, cont in zip(ids, params, expected[:batch], strict=True):
+        want = cont[: sp.max_tokens]
+        if sp.stop_token_ids:
+            want = cont[: cont.index(sp.stop_token_ids[0]) + 1]
+        assert results[rid] == want
+    hist = engine.spec_stats()["accepted_histogram"]
+    assert sum(hist[2:]) > 0  # runs of two or more accepted tokens did occur
+    engine.blocks.check_integrity()
+
+
+def test_head_state_tracks_the_kept_tokens_through_rollbacks(tiny_model, plain, head_file):
+    """After every step the head holds exactly the target's states of the tokens whose KV was
+    kept (rejected drafts' rows dropped), equal to a from-scratch dense forward."""
+    prompts, expected = plain
+    head = _head(tiny_model, head_file)
+    engine = _engine(tiny_model, "draft", head, num_speculative_tokens=6)
+    teacher = model_from_checkpoint(tiny_checkpoint(seed=0), (0, 1), None).eval()
+    rid = engine.add_request(prompts[2], GREEDY)
+    checked = 0
+    while engine.has_work:
+        engine.step()
+        seq = engine.sequences.get(rid)
+        if seq is None:
+            break
+        origin, end = head.observed_span(rid)
+        assert (origin, end) == (0, seq.num_computed_tokens)
+        with torch.inference_mode():
+            want = teacher(torch.tensor(seq.token_ids[:end])[None])[0]
+        got = head._states[rid].features[:end]
+        assert torch.allclose(got, want, atol=1e-4)
+        checked += 1
+    assert checked > 3
+    hist = engine.spec_stats()["accepted_histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0  # both rejections and acceptances happened
+
+
+def test_cached_prefix_starts_a_window_and_output_stays_plain(tiny_model, plain, head_file):
+    """A second turn over a cached prefix: the head sees states from the first uncached
+    position on only, and still drafts (and output equals plain decoding)."""
+    prompts, expected = plain
+    head = _head(tiny_model, head_file)
+    engine = _engine(tiny_model, "draft", head, num_speculative_tokens=4)
+    first = prompts[0] + expected[0]
+    assert checked_run(engine, [first[:-1]], GREEDY)  # fills the prefix cache
+    turn = first + [7, 8, 9]
+    want = _engine(tiny_model).generate([turn], GREEDY)
+    rid = engine.add_request(turn, GREEDY)
+    origins = set()
+    out: list[int] = []
+    while engine.has_work:
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+        if rid in engine.sequences and head.observed_span(rid):
+            origins.add(head.observed_span(rid)[0])
+    assert [out] == want
+    assert origins and min(origins) > 0  # the cached blocks' states were never computed
+
+
+def test_head_sampling_matches_the_target_joint_distribution(tiny_model, head_file):
+    exact = _exact_joint(tiny_model)
+    engine = sampling_engine(tiny_model, _head(tiny_model, head_file))
+    samples = Counter(tuple(out) for out in engine.generate([PROMPT] * SAMPLES, PARAMS))
+    stats = engine.spec_stats()["by_method"]["draft"]
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]  # both paths were exercised
+    assert _chi_square_p_value(samples, exact, SAMPLES) > 1e-3
+    engine.blocks.check_integrity()
+
+
+def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
+    tiny_model, plain, tmp_path, capsys
+):
+    """Log -> `splitserve draft train --from-log` -> a head file the engine loads from
+    `draft_path` (the tiny target's states recomputed offline from the logged ids)."""
+    prompts, expected = plain
+    folder = write_hf_folder(tiny_checkpoint(0), tmp_path / "tiny")
+    log = TrainingLogWriter(tmp_path / "traffic.jsonl", 1.0)
+    for p, e in zip(prompts, expected, strict=True):
+        log.write([LoggedTurn("tiny", "default", p, e)])
+    out = tmp_path / "tiny.head.pt"
+    argv = ["draft", "train", "--model", str(folder), "--from-log", str(log.path)]
+    argv += ["--out", str(out), "--max-minutes", "0.05", "--vocab-size", "256", "--threads", "1"]
+    parser = argparse.ArgumentParser(prog="splitserve")
+    draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 0
+    captured = capsys.readouterr()
+    assert "held-out first-guess agreement" in captured.out
+    assert "[head] 8 logged conversations" in captured.err and "[head] saved" in captured.err
+    fingerprint = f"untokenized:{read_checkpoint(str(folder)).source}"  # the CLI's, for a folder
+    engine = Engine(
+        EngineConfig(
+            num_blocks=200,
+            speculative_method="draft",
+            num_speculative_tokens=4,
+            draft_path=str(out),
+        ),
+        model=tiny_model,
+        kv_salt=fingerprint.encode(),
+    )
+    assert "draft_unavailable" not in engine.spec_stats()
+    assert checked_run(engine, prompts[:3], GREEDY) == expected[:3]
+    assert engine.spec_stats()["verify_steps"] > 0
+
+
+@pytest.mark.parametrize(("weights", "decode_weights"), [("native", "native"), ("fp32", "native")])
+def test_head_drafts_from_the_native_steps_states(plain, head_file, weights, decode_weights):
+    """With the native C step on the decode path (and on both paths) the head reads the
+    hidden states that step returns: no second forward, greedy still plain decoding's."""
+    model = LlamaModel(tiny_checkpoint(seed=0), weights=weights, decode_weights=decode_weights)
+    prompts, _ = plain
+    expected = _engine(model).generate(prompts, GREEDY)
+    head = load_head_proposer(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size, model)
+    engine = _engine(model, "draft", head, num_speculative_tokens=5)
+    got = []
+    for i in range(0, len(prompts), 4):
+        got += checked_run(engine, prompts[i : i + 4], GREEDY)
+    assert got == expected
+    assert engine.spec_stats()["by_method"]["draft"]["accepted_tokens"] > 0
