@@ -102,9 +102,17 @@ def test_archive_is_the_charts_default_image(archive):
 
 
 @pytest.fixture(scope="module")
-def bundle(archive, tmp_path_factory) -> Path:
-    """The image unpacked into an OCI runtime bundle (rootfs + the image's config.json)."""
+def bundle(archive, tmp_path_factory) -> Iterator[Path]:
+    """The image unpacked into an OCI runtime bundle (rootfs + the image's config.json);
+    removed afterwards (2 GB that pytest's kept temporary folders would pile up)."""
     work = tmp_path_factory.mktemp("container")
+    try:
+        yield _unpacked(archive, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _unpacked(archive: Path, work: Path) -> Path:
     layout = work / "layout"
     layout.mkdir()
     with tarfile.open(archive) as tar:
