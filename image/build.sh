@@ -146,7 +146,8 @@ build_image() {
 		--build-arg "VERSION=$VERSION" -f "$CONTEXT/Containerfile" -t "$REPOSITORY:$TAG" "$CONTEXT" >/dev/null
 	say "writing $OUT"
 	rm -f "$OUT" "$OUT.inputs"
-	"${BUILDAH[@]}" push --quiet "$REPOSITORY:$TAG" "oci-archive:$OUT:$REPOSITORY:$TAG"
+	# gzip level 1: about twice as fast as the default on two cores, for a ~10% larger archive.
+	"${BUILDAH[@]}" push --quiet --compression-format gzip --compression-level 1 "$REPOSITORY:$TAG" "oci-archive:$OUT:$REPOSITORY:$TAG"
 	echo "$inputs" >"$OUT.inputs"
 	# The archive is the product: the store keeps only the base, for the next build.
 	"${BUILDAH[@]}" rmi --force "$REPOSITORY:$TAG" >/dev/null
