@@ -1,5 +1,6 @@
 """The container image for real: `make image` builds the OCI archive (debootstrap base, buildah,
-no Docker daemon), umoci unpacks it into a runtime bundle, and runc runs it the way the chart
+no Docker daemon), umoci unpacks it into a runtime bundle (once per archive, kept beside the
+build caches), and runc runs it the way the chart
 runs a pod — as UID 10001 from the image's own config, on a read-only root filesystem with HOME
 on a tmpfs at /tmp and the config mounted read-only at /etc/splitserve. Inside, `splitserve up`
 serves one greedy chat completion from the model shipped in the image, over loopback (the
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -101,37 +103,59 @@ def test_archive_is_the_charts_default_image(archive):
     assert names == [_chart_image()]
 
 
+def _image_cache() -> Path:
+    """image/build.sh's cache folder."""
+    explicit = os.environ.get("SPLITSERVE_IMAGE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "splitserve" / "image"
+
+
 @pytest.fixture(scope="module")
-def bundle(archive, tmp_path_factory) -> Iterator[Path]:
-    """The image unpacked into an OCI runtime bundle (rootfs + the image's config.json);
-    removed afterwards (2 GB that pytest's kept temporary folders would pile up)."""
-    work = tmp_path_factory.mktemp("container")
-    try:
-        yield _unpacked(archive, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _unpacked(archive: Path, work: Path) -> Path:
-    layout = work / "layout"
-    layout.mkdir()
+def bundle(archive) -> Path:
+    """The image unpacked into an OCI runtime bundle (rootfs + the config.json umoci derives
+    from the image). Unpacked once per archive and kept (beside the build caches): runc runs
+    the root filesystem read-only, as the chart does, so it stays as unpacked — unpacking and
+    deleting 2 GB costs minutes on a busy disk."""
     with tarfile.open(archive) as tar:
-        tar.extractall(layout, filter="tar")
-    path = work / "bundle"
-    _check(["umoci", "unpack", "--image", f"{layout}:{_chart_image()}", str(path)], 600)
-    shutil.rmtree(layout)
+        index = json.load(tar.extractfile("index.json"))
+    digest = index["manifests"][0]["digest"].partition(":")[2][:16]
+    bundles = _image_cache() / "bundles"
+    path = bundles / digest
+    if not (path / "config.json").is_file():
+        shutil.rmtree(bundles, ignore_errors=True)  # the bundle of an older archive
+        work = bundles / f".unpack-{os.getpid()}"
+        layout = work / "layout"
+        layout.mkdir(parents=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(layout, filter="tar")
+        image = f"{layout}:{_chart_image()}"
+        _check(["umoci", "unpack", "--image", image, str(work / "bundle")], 900)
+        (work / "bundle").rename(path)
+        shutil.rmtree(work)
     # Whether runc can start a container here at all, with the config umoci wrote: if not, the
     # machine cannot run containers (and that is the reason to skip, not our image).
-    image_config = json.loads((path / "config.json").read_text())
-    probe = json.loads(json.dumps(image_config))
+    probe = _runtime_config(path)
     probe["process"]["args"] = ["/bin/true"]
-    probe["process"]["terminal"] = False
-    (path / "config.json").write_text(json.dumps(probe))
-    done = _runc("run", "--bundle", str(path), f"splitserve-probe-{os.getpid()}", timeout=120)
+    done = _run_bundle(probe, f"splitserve-probe-{os.getpid()}")
     if done.returncode != 0:
         pytest.skip(f"this machine cannot run containers: runc: {done.stderr.strip()[-500:]}")
-    (path / "config.json").write_text(json.dumps(image_config))
     return path
+
+
+def _runtime_config(bundle: Path) -> dict:
+    """umoci's config for the image, on its root filesystem, read-only."""
+    config = json.loads((bundle / "config.json").read_text())
+    config["root"] = {"path": str(bundle / "rootfs"), "readonly": True}
+    config["process"]["terminal"] = False
+    return config
+
+
+def _run_bundle(config: dict, name: str) -> subprocess.CompletedProcess[str]:
+    with tempfile.TemporaryDirectory() as run:
+        (Path(run) / "config.json").write_text(json.dumps(config))
+        return _runc("run", "--bundle", run, name, timeout=120)
 
 
 def test_image_user_entrypoint_and_model(bundle):
@@ -150,17 +174,13 @@ def test_image_user_entrypoint_and_model(bundle):
     assert not (rootfs / "root" / ".cache").exists()
 
 
-def _served_config(bundle: Path) -> dict:
-    """umoci's runtime config made to run as the chart runs a pod, on the host's loopback."""
-    config = json.loads((bundle / "config.json").read_text())
-    state = bundle.parent / "etc-splitserve"
-    state.mkdir(exist_ok=True)
-    (state / "config.yaml").write_text(yaml.safe_dump(loopback_config()))
+def _served_config(bundle: Path, etc: Path) -> dict:
+    """The image run as the chart runs a pod, on the host's loopback; config from `etc`."""
+    config = _runtime_config(bundle)
+    (etc / "config.yaml").write_text(yaml.safe_dump(loopback_config()))
     process = config["process"]
-    process["terminal"] = False
     process["args"] = ["splitserve", "up", "--config", "/etc/splitserve/config.yaml"]
     process["env"] = [e for e in process["env"] if not e.startswith("HOME=")] + ["HOME=/tmp"]
-    config["root"]["readonly"] = True
     linux = config["linux"]
     linux["namespaces"] = [ns for ns in linux["namespaces"] if ns["type"] != "network"]
     mounts = [m for m in config["mounts"] if m["destination"] not in ("/tmp", "/dev/shm")]
@@ -171,7 +191,7 @@ def _served_config(bundle: Path) -> dict:
         {
             "destination": "/etc/splitserve",
             "type": "bind",
-            "source": str(state),
+            "source": str(etc),
             "options": ["rbind", "ro"],
         },
     ]
@@ -189,12 +209,15 @@ def _tmpfs(destination: str, size: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(bundle) -> Iterator[str]:
+def served(bundle, tmp_path_factory) -> Iterator[str]:
     """The container running `splitserve up`; yields the API's base URL."""
-    (bundle / "config.json").write_text(json.dumps(_served_config(bundle)))
+    run = tmp_path_factory.mktemp("container-run")
+    etc = run / "etc-splitserve"
+    etc.mkdir()
+    (run / "config.json").write_text(json.dumps(_served_config(bundle, etc)))
     name = f"splitserve-test-{os.getpid()}"
     proc = subprocess.Popen(
-        ["runc", "run", "--bundle", str(bundle), name],
+        ["runc", "run", "--bundle", str(run), name],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
