@@ -97,11 +97,9 @@ import_base() {
 }
 
 # Wheels for bookworm's CPython 3.11 on x86_64, whatever Python runs this script.
+WHEELS=$CACHE/wheels-$VARIANT-$(cat constraints.txt pyproject.toml <(echo "$VARIANT") | sha256sum | cut -c1-12)
 download_wheels() {
-	local key dir pip
-	key=$(cat constraints.txt pyproject.toml <(echo "$VARIANT") | sha256sum | cut -c1-12)
-	dir=$CACHE/wheels-$VARIANT-$key
-	WHEELS=$dir
+	local dir=$WHEELS pip
 	[ -f "$dir/.complete" ] && return
 	say "downloading wheels into $dir"
 	rm -rf "$dir"
@@ -175,8 +173,11 @@ inputs_digest() {
 }
 
 start=$(date +%s)
+# Both mostly wait on the network: the wheels download while debootstrap runs.
+download_wheels &
+wheels=$!
 import_base
-download_wheels
+wait "$wheels"
 stage_context
 inputs=$(inputs_digest)
 if [ -f "$OUT" ] && [ "$(cat "$OUT.inputs" 2>/dev/null)" = "$inputs" ]; then
