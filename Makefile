@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: up test lint bench install browser
+.PHONY: up test lint bench install browser container-tools image image-cuda
 
 install: $(STAMP) browser
 
@@ -18,6 +18,21 @@ browser:
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else echo "chromium missing and not root: the playground's browser tests will skip"; fi
+
+# The container image test builds and runs the image with buildah, debootstrap, runc, umoci
+# (and skopeo pushes it): installed with apt when missing and we are root; otherwise that test
+# skips and says why.
+container-tools:
+	@image/tools.sh --or-skip
+
+# The OCI image (build/splitserve-image.oci.tar), without a Docker daemon: a debootstrap base,
+# then `buildah bud` with the Containerfile (image/build.sh). Prints how to push it.
+image:
+	PYTHON=$(PYTHON) image/build.sh
+
+# The CUDA variant (Containerfile.cuda); needs PyPI's CUDA torch wheels (several GB).
+image-cuda:
+	VARIANT=cuda PYTHON=$(PYTHON) image/build.sh
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +51,7 @@ $(STAMP): pyproject.toml constraints.txt
 up: $(STAMP)
 	$(VENV)/bin/splitserve up $(ARGS)
 
-test: $(STAMP) browser
+test: $(STAMP) browser container-tools
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)

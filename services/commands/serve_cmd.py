@@ -14,6 +14,11 @@ def add_commands(sub) -> None:
     up = sub.add_parser("up", help="run a whole deployment on this machine (coordinator + workers)")
     up.add_argument("--config", default=None, help="deployment config YAML (default: built-in)")
     up.add_argument(
+        "--host",
+        default=None,
+        help="coordinator bind address (default 127.0.0.1; 0.0.0.0 in a container)",
+    )
+    up.add_argument(
         "--port", type=_port, default=None, help="coordinator HTTP port (0: pick a free one)"
     )
     up.add_argument(
@@ -81,8 +86,10 @@ def run_up(args: argparse.Namespace) -> int:
             "--disaggregated/--colocated choose the built-in topology; with --config, "
             "set models[].pools in the file"
         )
-    if args.port is not None:
-        coordinator = config.coordinator.model_copy(update={"port": args.port})
+    overrides = {"host": args.host, "port": args.port}
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    if overrides:
+        coordinator = config.coordinator.model_copy(update=overrides)
         config = config.model_copy(update={"coordinator": coordinator})
     return launch(config, args.startup_timeout)
 

