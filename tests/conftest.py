@@ -63,3 +63,28 @@ def real_tokenizer(gguf_path):
     from shared.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(gguf_path)
+
+
+# The container image test's build starts as soon as that test is collected beside others
+# (tests/image_build.py says why); the test waits for it.
+_IMAGE_BUILD_KEY = pytest.StashKey[object]()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    from tests import image_build
+
+    wanted = any(item.path.name == image_build.TEST_FILE for item in items)
+    if wanted and len(items) > 3 and image_build.why_no_containers() is None:
+        config.stash[_IMAGE_BUILD_KEY] = image_build.BackgroundBuild()
+
+
+def pytest_unconfigure(config):
+    build = config.stash.get(_IMAGE_BUILD_KEY, None)
+    if build is not None:
+        build.stop()
+
+
+@pytest.fixture(scope="session")
+def background_image_build(request):
+    """The image build started at collection, or None (the test builds it itself)."""
+    return request.config.stash.get(_IMAGE_BUILD_KEY, None)

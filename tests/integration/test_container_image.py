@@ -34,37 +34,17 @@ import yaml
 
 from services.launcher.presets import loopback_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
+from tests.image_build import why_no_containers
 from tests.reference import greedy_reference
 
 pytestmark = pytest.mark.real_model
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHIVE = REPO / "build" / "splitserve-image.oci.tar"
-TOOLS = ("buildah", "debootstrap", "runc", "skopeo", "umoci")
 BUILD_TIMEOUT_S = 1800
 READY = re.compile(r"splitserve is ready: (http://\S+/v1)")
 QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 16
-
-
-def _tool(name: str) -> str | None:
-    # debootstrap and runc live in /usr/sbin, which a non-root PATH often lacks.
-    found = shutil.which(name) or f"/usr/sbin/{name}"
-    return found if os.access(found, os.X_OK) else None
-
-
-def _why_no_containers() -> str | None:
-    if sys.platform != "linux":
-        return f"container images are built and run on Linux only (this is {sys.platform})"
-    missing = [t for t in TOOLS if _tool(t) is None]
-    if missing:
-        return (
-            f"container tools missing: {' '.join(missing)} "
-            "(`make container-tools` installs them with apt as root)"
-        )
-    if os.geteuid() != 0:
-        return "debootstrap and runc need root here (no rootless container set-up): run as root"
-    return None
 
 
 def _chart_image() -> str:
@@ -76,23 +56,27 @@ def _chart_image() -> str:
 
 
 @pytest.fixture(scope="module")
-def archive() -> Path:
-    reason = _why_no_containers()
+def archive(background_image_build) -> Path:
+    reason = why_no_containers()
     if reason:
         pytest.skip(reason)
     started = time.monotonic()
-    done = subprocess.run(
-        [str(REPO / "image" / "build.sh")],
-        cwd=REPO,
-        env={**os.environ, "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT_S,
-    )
-    log = (done.stdout + done.stderr).strip()
-    assert done.returncode == 0, f"make image failed ({done.returncode}):\n{log[-4000:]}"
-    print(f"make image: {time.monotonic() - started:.0f} s\n{log}")
-    assert "skopeo copy oci-archive:" in done.stdout  # tells how to push it
+    if background_image_build is not None:  # started at collection (tests/image_build.py)
+        code, log = background_image_build.wait(BUILD_TIMEOUT_S)
+    else:
+        done = subprocess.run(
+            [str(REPO / "image" / "build.sh")],
+            cwd=REPO,
+            env={**os.environ, "PYTHON": sys.executable},
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        code, log = done.returncode, done.stdout + done.stderr
+    log = log.strip()
+    assert code == 0, f"make image failed ({code}):\n{log[-4000:]}"
+    print(f"make image: waited {time.monotonic() - started:.0f} s\n{log}")
+    assert "skopeo copy oci-archive:" in log  # tells how to push it
     return ARCHIVE
 
 
