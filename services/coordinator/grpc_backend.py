@@ -70,6 +70,10 @@ class GrpcBackend:
                 "replica": w.replica,
                 "address": w.address,
                 "metrics_address": w.metrics_address,
+                # What this coordinator's index knows of it: equal on every coordinator that
+                # has applied the same events (the fleet's view is one).
+                "kv_event_seq": self.registry.kv.last_seq(w.worker_id),
+                "kv_blocks": self.registry.kv.num_held(w.worker_id),
             }
             for w in self.registry.workers.values()
         }
