@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from services.bench import chaos_bench
+from services.bench.chaos_bench import ChaosBenchSpec
 from services.launcher import start_local_stack
 from services.launcher.presets import loopback_config
 from shared.config.schema import parse_config
@@ -157,3 +159,16 @@ def test_kill_one_the_other_serves_every_worker_and_the_restarted_one_converges(
     for n, c in enumerate(conversations):
         reply, decode = _chat(b, _next_turn(c["messages"], c["reply"], 100 + n))
         assert decode == c["decode"], (n, c["decode"], decode)
+
+
+def test_bench_chaos_kill_coordinator_loses_only_the_killed_coordinators_streams(stack):
+    # The benchmark's scenario, small: 4 streams over both coordinators, the second killed.
+    assert wait_until(lambda: stack.supervisor.is_ready("coordinator-1"), 30)
+    assert wait_until(lambda: _one_view(stack), 10)
+    spec = ChaosBenchSpec(streams=4, max_tokens=16, prefill=1, coordinators=2, hit_after_tokens=3)
+    s = chaos_bench._scenario(stack, spec, "kill_coordinator", WORKERS)
+    assert s["on_killed_coordinator"] == 2 and s["failed_on_survivors"] == 0
+    assert s["identical"] >= 2 and s["leaked_blocks"] == 0
+    assert s["new_request_s"] is not None and s["new_request_s"] < 2.0
+    assert s["recovery_s"] is not None and s["converged_s"] < 2.0
+    assert chaos_bench.met_targets("kill_coordinator", s), s
