@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
 import httpx
 
 from services.bench.chaos_coordinators import CoordinatorHit, one_view
@@ -181,7 +180,7 @@ def leaked_blocks(stack: LocalStack, settle_s: float = 10.0) -> int:
         for worker in _ready(stack)["workers"].values():
             if not worker["alive"]:
                 continue
-            with grpc.insecure_channel(worker["address"]) as channel:
+            with stack.internal_auth.sync_channel(worker["address"]) as channel:
                 stats = json.loads(
                     pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).json
                 )

@@ -120,7 +120,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.service == "coordinator":
         from services.coordinator.main import run_coordinator
 
-        run_coordinator(config, bind_host=args.host, port=args.port)
+        try:  # what the config names but cannot be used: a missing token file, a model
+            run_coordinator(config, bind_host=args.host, port=args.port)
+        except ConfigError as exc:
+            return fail(str(exc))
         return 0
     ids = [m.id for m in config.models]
     model_id = args.model_id
@@ -134,7 +137,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.host is not None:
         config = config.model_copy(update={"worker_host": args.host})
-    run_worker(config, model_id, args.service, args.index, port=args.port or 0)
+    try:
+        run_worker(config, model_id, args.service, args.index, port=args.port or 0)
+    except ConfigError as exc:
+        return fail(str(exc))
     return 0
 
 

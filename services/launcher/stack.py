@@ -11,17 +11,19 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TextIO
 
 import services
+from services.launcher.internal_token import TOKEN_FILE, with_internal_token
 from services.launcher.ports import pick_free_ports, resolve_ports
 from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
 from services.launcher.readiness import health_probe, probe, wait_until_ready
 from services.launcher.supervisor import ServiceGaveUp, Supervisor
 from shared.config.roles import WORKER_ROLES, WorkerRole
 from shared.config.schema import ConfigError, DeploymentConfig, dump_config
+from shared.rpc.auth import InternalAuth
 
 COORDINATOR = "coordinator"
 _SERVE = (sys.executable, "-m", "services.cli", "serve")
@@ -242,6 +244,11 @@ class LocalStack:
     def processes(self) -> dict[str, ServiceProcess]:
         return self.group.processes
 
+    @cached_property
+    def internal_auth(self) -> InternalAuth:
+        """What a call to one of the stack's services must carry (tests, benchmarks)."""
+        return InternalAuth.from_config(self.config)
+
     @property
     def failure(self) -> ServiceGaveUp | None:
         """Why the supervisor gave up on a service; None while it keeps the stack serving."""
@@ -272,6 +279,7 @@ class LocalStack:
             if self.supervisor is not None:
                 self.supervisor.close()
             self.config_path.unlink(missing_ok=True)
+            (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> LocalStack:
         return self
@@ -299,9 +307,9 @@ def start_local_stack(
     failing to start or refused to (ServiceGaveUp); `supervise=False`: any exit is final, for
     tests that need a killed worker to stay gone.
     """
-    resolved = resolve_config(config)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = with_internal_token(resolve_config(config), run_dir)
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(resolved))
     coordinators = coordinator_slots(resolved)

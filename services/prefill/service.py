@@ -39,7 +39,7 @@ _REFUSALS = (
 class PrefillService:
     def __init__(self, runtime: WorkerRuntime):
         self.runtime = runtime
-        self._channels = ChannelPool()  # to the decode replicas' control planes
+        self._channels = ChannelPool(runtime.auth)  # to the decode replicas' control planes
         self._background: set[asyncio.Task] = set()  # aborts sent on cancellation
 
     def _client(self, address: str) -> KvTransferControlClient:

@@ -57,7 +57,7 @@ class RegistryClient:
         self.pending: list[KVEvent] = []
         self.registered = False  # accepted once; from then on `pending` fills
         # The coordinator may restart: re-register within a second of it being back.
-        self._channel = grpc.aio.insecure_channel(registry_address, options=RECONNECT_OPTIONS)
+        self._channel = runtime.auth.channel(registry_address, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self.interval_s = runtime.config.coordinator.heartbeat_interval_s
         self._last_seq = 0

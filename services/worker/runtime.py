@@ -23,6 +23,7 @@ from shared.engine.model_setup import load_serving_model
 from shared.kvcache.events import KVEvent
 from shared.kvcache.tables import BlockTable
 from shared.modelfile.default import default_model_path
+from shared.rpc.auth import InternalAuth
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class WorkerRuntime:
         self.config = config
         self.model_cfg: ModelDeployment = config.model(model_id)
         self.role = role
+        # First: a missing token file should stop the start before the model loads.
+        self.auth = InternalAuth.from_config(config)
         # The replica keeps its name across restarts (host name too: a pod's container
         # restarts in the same pod); worker_id names this process of it, so a restarted
         # replica is a new transfer peer that nothing cached about the old one can match.
@@ -138,7 +141,9 @@ class WorkerRuntime:
                 target=self.engine.constraints.warm, name="grammar-vocabulary", daemon=True
             ).start()
         self.async_engine = AsyncEngine(self.engine)
-        options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
+        options: dict = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
+        if self.transfer_kind in ("tcp", "shm"):  # NIXL's handshake is UCX's own
+            options["auth_key"] = self.auth.transfer_key
         self.transfer: TransferBackend = create_transfer_backend(
             self.transfer_kind, self.worker_id, **options
         )

@@ -132,7 +132,7 @@ async def serve_worker(
         config, runtime.engine, worker_id=runtime.worker_id, role=role, model=model_id
     )
     runtime.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = runtime.auth.server(options=[("grpc.so_reuseport", 0)])
     control = DecodeTransferControl(runtime) if can_decode(role) else None
     servicer = WorkerServicer(runtime, telemetry, control)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)

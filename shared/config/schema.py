@@ -137,6 +137,17 @@ class CoordinatorConfig(_Strict):
         return self.registry_endpoints or (f"{self.host}:{self.registry_port}",)
 
 
+class InternalAuthConfig(_Strict):
+    """How the deployment's services authenticate each other (shared/rpc/auth.py)."""
+
+    token_file: str | None = Field(
+        None,
+        description="file holding the shared token every internal gRPC call and KV-transfer "
+        "handshake must carry (UNAUTHENTICATED otherwise); None: internal calls are not "
+        "authenticated. `splitserve up` writes one per run; the chart mounts a Secret",
+    )
+
+
 class TelemetryConfig(_Strict):
     """Where traces go. Metrics are always on (every service serves /metrics)."""
 
@@ -182,6 +193,7 @@ class DeploymentConfig(_Strict):
         "chart's terminationGracePeriodSeconds covers it and the preStop pause)",
     )
     telemetry: TelemetryConfig = TelemetryConfig()
+    internal_auth: InternalAuthConfig = InternalAuthConfig()
     tiers: TiersConfig = TiersConfig()
     api_keys: ApiKeysConfig = ApiKeysConfig()
     prices: Prices = Field(default_factory=dict, validate_default=True)

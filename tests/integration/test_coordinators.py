@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -19,6 +20,10 @@ from services.launcher import start_local_stack
 from services.launcher.presets import loopback_config
 from shared.config.schema import parse_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
+from shared.proto_gen import kvtransfer_pb2 as kv_pb
+from shared.proto_gen import kvtransfer_pb2_grpc as kv_grpc
+from shared.proto_gen import worker_pb2 as pb
+from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.real_model
@@ -116,6 +121,52 @@ def test_both_coordinators_serve_alike_and_hold_one_view(stack, conversations):
         c.update(messages=messages, reply=reply)
 
 
+# Every internal RPC kind a stranger could try: one call per worker service, and the registry.
+WORKER_CALLS = {
+    "Stats": lambda ch: pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest()),
+    "Abort": lambda ch: pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id="someone's")),
+    "Decode": lambda ch: list(pb_grpc.WorkerStub(ch).Decode(pb.DecodeRequest())),
+    "Prefill": lambda ch: list(pb_grpc.WorkerStub(ch).Prefill(pb.PrefillRequest())),
+}
+DECODE_CALLS = {
+    "Release": lambda ch: kv_grpc.KvTransferControlStub(ch).Release(kv_pb.ReleaseRequest()),
+}
+REGISTRY_CALLS = {
+    "Heartbeat": lambda ch: pb_grpc.RegistryStub(ch).Heartbeat(pb.HeartbeatRequest()),
+}
+
+
+def _code(address: str, call) -> grpc.StatusCode:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            call(channel)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_internal_calls_without_the_runs_token_are_refused_by_every_service(stack):
+    """`splitserve up` turns internal auth on: a call without the run's token to a worker
+    (either role, every service it serves) or to a registry is UNAUTHENTICATED."""
+    workers = _ready(stack.url)["workers"]
+    codes = {}
+    for worker_id, info in workers.items():
+        calls = {**WORKER_CALLS, **(DECODE_CALLS if info["role"] == "decode" else {})}
+        for name, call in calls.items():
+            codes[(worker_id, name)] = _code(info["address"], call)
+    for c in stack.coordinators:
+        for name, call in REGISTRY_CALLS.items():
+            codes[(c.name, name)] = _code(f"{c.host}:{c.registry_port}", call)
+    assert len(codes) == 3 * 4 + 2 + 2
+    assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, codes
+    # With the token the same call works; each refusal was logged where it happened.
+    with stack.internal_auth.sync_channel(next(iter(workers.values()))["address"]) as channel:
+        assert pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).json
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        log = (stack.run_dir / f"{name}.log").read_text()
+        assert "refused an unauthenticated call to /splitserve.worker.v1.Worker/Abort" in log
+
+
 def test_kill_one_the_other_serves_every_worker_and_the_restarted_one_converges(
     stack, conversations
 ):
@@ -167,8 +218,8 @@ def test_bench_chaos_kill_coordinator_loses_only_the_killed_coordinators_streams
     assert wait_until(lambda: _one_view(stack), 10)
     spec = ChaosBenchSpec(streams=4, max_tokens=16, prefill=1, coordinators=2, hit_after_tokens=3)
     s = chaos_bench._scenario(stack, spec, "kill_coordinator", WORKERS)
-    assert s["on_killed_coordinator"] == 2 and s["failed_on_survivors"] == 0
-    assert s["identical"] >= 2 and s["leaked_blocks"] == 0
-    assert s["new_request_s"] is not None and s["new_request_s"] < 2.0
-    assert s["recovery_s"] is not None and s["converged_s"] < 2.0
+    assert s["on_killed_coordinator"] == 2 and s["failed_on_survivors"] == 0, s
+    assert s["identical"] >= 2 and s["leaked_blocks"] == 0, s
+    assert s["new_request_s"] is not None and s["new_request_s"] < 2.0, s
+    assert s["recovery_s"] is not None and s["converged_s"] < 2.0, s
     assert chaos_bench.met_targets("kill_coordinator", s), s

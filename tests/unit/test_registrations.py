@@ -22,10 +22,12 @@ from services.worker.registrations import Registrations
 from shared.config.schema import ConfigError, parse_config
 from shared.kvcache.events import KVEvent
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.rpc.auth import InternalAuth
 from shared.wire.records import WorkerLoad
 
 MODEL = "SmolLM2-135M-Instruct"
 INTERVAL_S = 0.2
+AUTH = InternalAuth("s" * 32)
 CONFIG = parse_config(
     {"coordinator": {"heartbeat_interval_s": INTERVAL_S, "heartbeat_timeout_s": 2.0}}
 )
@@ -63,6 +65,7 @@ def fake_runtime(engine: FakeEngine) -> SimpleNamespace:
         engine=engine,
         async_engine=SimpleNamespace(call=call),
         kv_events=queue.Queue(),
+        auth=AUTH,
     )
 
 
@@ -83,7 +86,7 @@ class Coordinator:
         self.server: grpc.aio.Server | None = None
 
     async def start(self) -> Coordinator:
-        self.server = grpc.aio.server()
+        self.server = AUTH.server()  # internal auth on: the clients must carry the token
         pb_grpc.add_RegistryServicer_to_server(RegistryService(self.registry), self.server)
         self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
