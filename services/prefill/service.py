@@ -132,6 +132,7 @@ class PrefillService:
                 block_ids,
                 deadline_s=dest.deadline_s or self.runtime.config.transfer.deadline_s,
                 on_release=release,
+                hold_s=self.runtime.faults.kv_push_hold_ms / 1e3,
             )
             outcome.status = result.receiver_state.value
             outcome.error = result.error
