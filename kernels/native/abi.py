@@ -50,6 +50,8 @@ class Model(ctypes.Structure):
         ("rope_sin", ctypes.c_void_p),
         ("layers", ctypes.POINTER(Layer)),
         ("head", Linear),
+        ("embed_quants", ctypes.c_void_p),
+        ("embed_scales", ctypes.c_void_p),
     ]
 
 
@@ -59,7 +61,13 @@ class KV(ctypes.Structure):
         ("block_size", ctypes.c_int32),
         ("max_blocks", ctypes.c_int32),
         ("block_tables", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
     ]
+
+
+# KV element types the step reads and writes (ss_kv.dtype).
+KV_F32, KV_F16 = 0, 1
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -81,5 +89,9 @@ def declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.ss_linear_forward.restype = ctypes.c_int
+    for name in ("ss_store_half", "ss_load_half"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
     lib.ss_simd.argtypes = []
     lib.ss_simd.restype = ctypes.c_int

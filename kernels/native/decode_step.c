@@ -68,19 +68,30 @@ typedef struct {
 typedef struct {
   int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, max_pos;
   float eps, scale;
-  const float *embed;      /* [vocab, hidden] fp32 */
+  const float *embed;      /* [vocab, hidden] fp32, or NULL: rows from embed_quants */
   const float *final_norm; /* [hidden] */
   const float *rope_cos;   /* [max_pos, head_dim] */
   const float *rope_sin;
   const ss_layer *layers;
   ss_linear head; /* [vocab, hidden] */
+  /* The embedding as Q8_0 blocks (int8 [vocab, hidden/32, 32], fp32 scales [vocab, hidden/32])
+   * when embed is NULL: a row is dequantized on lookup, as the loader dequantizes the file. */
+  const int8_t *embed_quants;
+  const float *embed_scales;
 } ss_model;
 
+/* The pool holds fp32 or fp16 elements. fp16 halves the bytes attention reads each step (at
+ * batch 8 and 512 tokens of context they were half the step) and doubles the tokens a
+ * budget holds; values are converted to fp32 on load, so the arithmetic stays fp32. */
+enum { SS_KV_F32 = 0, SS_KV_F16 = 1 };
+
 typedef struct {
-  float *cache; /* pool base */
+  void *cache; /* pool base */
   int32_t block_size;
   int32_t max_blocks; /* row stride of the block-table array */
   const int32_t *block_tables; /* [rows, max_blocks]: the row's sequence's blocks */
+  int32_t dtype; /* SS_KV_F32 or SS_KV_F16 */
+  int32_t pad;
 } ss_kv;
 
 /* ---------------------------------------------------------------- helpers */
@@ -93,6 +104,37 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+/* IEEE half <-> float for the scalar paths, rounding to nearest even (what F16C and torch's
+ * conversion do), so a K/V value is stored with the same bits whichever path wrote it. */
+static inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    float f = (float)man * 0x1p-24f; /* zero or subnormal: exact in fp32 */
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112u) << 23) | (man << 13);
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, sizeof x);
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+  if (ax >= 0x477ff000u) return sign | 0x7c00u; /* rounds past 65504: infinity */
+  if (ax < 0x38800000u) {                        /* below 2^-14: a subnormal half (or zero) */
+    float a;
+    memcpy(&a, &ax, sizeof a);
+    return sign | (uint16_t)lrintf(a * 0x1p24f); /* lrintf rounds to nearest even */
+  }
+  uint32_t h = ((ax >> 23) - 112u) << 10 | ((ax >> 13) & 0x3ffu), rest = ax & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* a carry into the exponent is right */
+  return sign | (uint16_t)h;
+}
 
 static inline float dot_f32(const float *a, const float *b, int n) {
   int i = 0;
@@ -144,6 +186,31 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 #endif
+
+/* The largest of s[0..n), vectorized: a scalar max is a chain of dependent compares, one per
+ * score, and there are positions x heads of them in every layer. */
+static inline float max_of(const float *s, int n) {
+  int i = 0;
+  float best = -INFINITY;
+#if SS_AVX512
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(s);
+    for (i = 16; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
+    best = _mm512_reduce_max_ps(m);
+  }
+#elif SS_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    best = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; i < n; i++) best = s[i] > best ? s[i] : best;
+  return best;
+}
 
 /* s[i] = exp(s[i] - shift) for i < n; returns their sum. */
 static float exp_shifted(float *s, int n, float shift) {
@@ -509,6 +576,17 @@ typedef struct {
   int error;
 } step_ctx;
 
+static void embed_row(const ss_model *m, int64_t token, float *x) {
+  int hidden = m->hidden;
+  if (m->embed) {
+    memcpy(x, m->embed + (size_t)token * hidden, sizeof(float) * (size_t)hidden);
+    return;
+  }
+  const int8_t *q = m->embed_quants + (size_t)token * hidden;
+  const float *d = m->embed_scales + (size_t)token * (hidden / QK);
+  for (int i = 0; i < hidden; i++) x[i] = (float)q[i] * d[i / QK];
+}
+
 static void rms_norm_rows(const float *x, const float *w, float eps, int rows, int n, float *y) {
   for (int r = 0; r < rows; r++) {
     const float *xr = x + (size_t)r * n;
@@ -529,15 +607,72 @@ static void rope(float *v, const float *cos, const float *sin, int d) {
   memcpy(v, tmp, sizeof(float) * (size_t)d);
 }
 
-static inline float *kv_slot(const step_ctx *c, int layer, int which, int row, int pos, int head) {
+/* Element offset of one head's K (which 0) or V (1) at a row's position. */
+static inline size_t kv_index(const step_ctx *c, int layer, int which, int row, int pos, int head) {
   const ss_model *m = c->m;
   const ss_kv *kv = c->kv;
   int bs = kv->block_size, d = m->head_dim, hkv = m->num_kv_heads;
   int32_t block = kv->block_tables[(size_t)row * kv->max_blocks + pos / bs];
   size_t per_layer = (size_t)2 * bs * hkv * d;
-  size_t offset = ((size_t)block * m->num_layers + layer) * per_layer + (size_t)which * bs * hkv * d +
-                  ((size_t)(pos % bs) * hkv + head) * d;
-  return kv->cache + offset;
+  return ((size_t)block * m->num_layers + layer) * per_layer + (size_t)which * bs * hkv * d +
+         ((size_t)(pos % bs) * hkv + head) * d;
+}
+
+static void store_half(uint16_t *dst, const float *src, int d) {
+  int i = 0;
+#if SS_AVX512
+  for (; i + 16 <= d; i += 16)
+    _mm256_storeu_si256((__m256i *)(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+#if SS_AVX2
+  for (; i + 8 <= d; i += 8)
+    _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < d; i++) dst[i] = float_to_half(src[i]);
+}
+
+/* d values from fp32 into a slot of either element type. */
+static void kv_store(const step_ctx *c, size_t index, const float *src, int d) {
+  if (c->kv->dtype == SS_KV_F32)
+    memcpy((float *)c->kv->cache + index, src, sizeof(float) * (size_t)d);
+  else
+    store_half((uint16_t *)c->kv->cache + index, src, d);
+}
+
+static inline float dot_f16(const float *a, const uint16_t *b, int n) {
+  int i = 0;
+  float total = 0.f;
+#if SS_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + i))), acc);
+  total = _mm512_reduce_add_ps(acc);
+#elif SS_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))), acc);
+  total = hsum8(acc);
+#endif
+  for (; i < n; i++) total += a[i] * half_to_float(b[i]);
+  return total;
+}
+
+static inline void axpy_f16(float *y, const uint16_t *x, float a, int n) {
+  int i = 0;
+#if SS_AVX512
+  __m512 wa = _mm512_set1_ps(a);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wa, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
+                                            _mm512_loadu_ps(y + i)));
+#endif
+#if SS_AVX2
+  __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
+                                            _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; i++) y[i] += a * half_to_float(x[i]);
 }
 
 /* Attention is split over the context (split-KV): each work item is one row's GQA group of
@@ -561,18 +696,26 @@ static inline __m512 reduce16(__m512 *v) {
                        _mm512_shuffle_f32x4(t2[0], t2[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* out[u] = scale * q . k[u * stride] for u < cnt (<= 16), head_dim 64. */
-static inline void scores16(const float *q, const float *k, int stride, int cnt, float scale, float *out) {
+/* Sixteen K/V elements as fp32, from either element type (`half` is a constant at each call,
+ * so the branch folds away in the specialised attention below). */
+static inline __m512 load16(const void *base, size_t index, int half) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
+  return _mm512_loadu_ps((const float *)base + index);
+}
+
+/* out[u] = scale * q . k[u * stride] for u < cnt (<= 16), head_dim 64; k is an element index. */
+static inline __attribute__((always_inline)) void scores16(const float *q, const void *base, size_t k, int stride,
+                                                           int cnt, float scale, float *out, int half) {
   __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
          q3 = _mm512_loadu_ps(q + 48);
   __m512 acc[16];
   for (int u = 0; u < 16; u++) {
     if (u < cnt) {
-      const float *ku = k + (size_t)u * stride;
-      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(ku));
-      a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(ku + 16), a);
-      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(ku + 32), a);
-      acc[u] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(ku + 48), a);
+      size_t ku = k + (size_t)u * stride;
+      __m512 a = _mm512_mul_ps(q0, load16(base, ku, half));
+      a = _mm512_fmadd_ps(q1, load16(base, ku + 16, half), a);
+      a = _mm512_fmadd_ps(q2, load16(base, ku + 32, half), a);
+      acc[u] = _mm512_fmadd_ps(q3, load16(base, ku + 48, half), a);
     } else {
       acc[u] = _mm512_setzero_ps();
     }
@@ -594,8 +737,23 @@ static inline int item_row(const step_ctx *c, int item) {
   return r;
 }
 
-static void attention_part(step_ctx *c, int layer, int tid, int nth) {
+/* Blocks of a sequence lie anywhere in the pool, so the hardware prefetcher, which follows
+ * addresses within a page, stalls at every block boundary: the next block's rows for this
+ * head group are requested while the current block is computed (measured at batch 8, 512
+ * tokens: attention was half waiting on memory). */
+static inline void prefetch_block(const void *base, size_t index, int count, int stride, int d, int half) {
+  const char *p = (const char *)base + index * (half ? 2 : 4);
+  size_t row_bytes = (size_t)d * (half ? 2 : 4), step = (size_t)stride * (half ? 2 : 4);
+  for (int u = 0; u < count; u++, p += step)
+    for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* One attention pass over either element type; `half` is a literal at both call sites, so
+ * each gets its own loop without a per-element branch. */
+static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, int layer, int tid, int nth,
+                                                                  const int half) {
   const ss_model *m = c->m;
+  const void *base = c->kv->cache;
   int hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim, group = hq / hkv;
   int qkv_width = (hq + 2 * hkv) * d, part_stride = group * (d + 2);
   float *scores = c->scores + (size_t)tid * c->scores_stride;
@@ -606,27 +764,39 @@ static void attention_part(step_ctx *c, int layer, int tid, int nth) {
     int n = t1 - t0;
     const float *q = c->qkv + (size_t)r * qkv_width + (size_t)g * group * d;
     const int bs = c->kv->block_size, slot_stride = hkv * d;
+    {
+      /* The V rows of the range's first block too: they are read right after the scores. */
+      int first = (t0 / bs + 1) * bs < t1 ? (t0 / bs + 1) * bs - t0 : t1 - t0;
+      prefetch_block(base, kv_index(c, layer, 1, r, t0, g), first, slot_stride, d, half);
+    }
     /* Positions are walked block by block: one table lookup per block, not per position. */
     for (int t = t0; t < t1;) {
       int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-      const float *k = kv_slot(c, layer, 0, r, t, g);
+      size_t k = kv_index(c, layer, 0, r, t, g);
+      if (stop < t1) {
+        int next = t1 - stop < bs ? t1 - stop : bs;
+        prefetch_block(base, kv_index(c, layer, 0, r, stop, g), next, slot_stride, d, half);
+      }
 #if SS_AVX512
       if (d == 64) { /* 16 positions' dots at a time, reduced together (see scores16) */
-        for (; t < stop; t += 16, k += 16 * slot_stride) {
+        for (; t < stop; t += 16, k += (size_t)16 * slot_stride) {
           int cnt = stop - t < 16 ? stop - t : 16;
-          for (int j = 0; j < group; j++) scores16(q + j * d, k, slot_stride, cnt, m->scale, scores + j * n + (t - t0));
+          for (int j = 0; j < group; j++)
+            scores16(q + j * d, base, k, slot_stride, cnt, m->scale, scores + j * n + (t - t0), half);
         }
         t = stop;
         continue;
       }
 #endif
       for (; t < stop; t++, k += slot_stride)
-        for (int j = 0; j < group; j++) scores[j * n + (t - t0)] = dot_f32(q + j * d, k, d) * m->scale;
+        for (int j = 0; j < group; j++)
+          scores[j * n + (t - t0)] =
+              (half ? dot_f16(q + j * d, (const uint16_t *)base + k, d) : dot_f32(q + j * d, (const float *)base + k, d)) *
+              m->scale;
     }
     float *part = c->parts + (size_t)item * part_stride;
     for (int j = 0; j < group; j++) {
-      float *sj = scores + j * n, best = -INFINITY;
-      for (int t = 0; t < n; t++) best = sj[t] > best ? sj[t] : best;
+      float *sj = scores + j * n, best = max_of(sj, n);
       float *pj = part + j * (d + 2);
       pj[0] = best;
       pj[1] = exp_shifted(sj, n, best);
@@ -639,10 +809,14 @@ static void attention_part(step_ctx *c, int layer, int tid, int nth) {
         for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
       for (int t = t0; t < t1;) {
         int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-        const float *v = kv_slot(c, layer, 1, r, t, g);
+        size_t v = kv_index(c, layer, 1, r, t, g);
+        if (stop < t1) {
+          int next = t1 - stop < bs ? t1 - stop : bs;
+          prefetch_block(base, kv_index(c, layer, 1, r, stop, g), next, slot_stride, d, half);
+        }
         for (; t < stop; t++, v += slot_stride) {
-          __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                 v3 = _mm512_loadu_ps(v + 48);
+          __m512 v0 = load16(base, v, half), v1 = load16(base, v + 16, half), v2 = load16(base, v + 32, half),
+                 v3 = load16(base, v + 48, half);
           for (int j = 0; j < group; j++) {
             __m512 p = _mm512_set1_ps(scores[j * n + (t - t0)]);
             acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
@@ -659,11 +833,25 @@ static void attention_part(step_ctx *c, int layer, int tid, int nth) {
 #endif
     for (int t = t0; t < t1;) {
       int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-      const float *v = kv_slot(c, layer, 1, r, t, g);
+      size_t v = kv_index(c, layer, 1, r, t, g);
       for (; t < stop; t++, v += slot_stride)
-        for (int j = 0; j < group; j++) axpy(part + j * (d + 2) + 2, v, scores[j * n + (t - t0)], d);
+        for (int j = 0; j < group; j++) {
+          float w = scores[j * n + (t - t0)];
+          float *y = part + j * (d + 2) + 2;
+          if (half)
+            axpy_f16(y, (const uint16_t *)base + v, w, d);
+          else
+            axpy(y, (const float *)base + v, w, d);
+        }
     }
   }
+}
+
+static void attention_part(step_ctx *c, int layer, int tid, int nth) {
+  if (c->kv->dtype == SS_KV_F16)
+    attention_typed(c, layer, tid, nth, 1);
+  else
+    attention_typed(c, layer, tid, nth, 0);
 }
 
 /* Softmax-weighted merge of each head's split partials, in split order. */
@@ -704,8 +892,7 @@ static void step_job(void *arg, int tid, int nth) {
   split(rows, tid, nth, &r0, &r1);
   int own = r1 - r0;
   ss_acts acts;
-  for (int r = r0; r < r1; r++)
-    memcpy(c->x + (size_t)r * hidden, m->embed + (size_t)c->tokens[r] * hidden, sizeof(float) * hidden);
+  for (int r = r0; r < r1; r++) embed_row(m, c->tokens[r], c->x + (size_t)r * hidden);
   for (int l = 0; l < m->num_layers; l++) {
     const ss_layer *L = &m->layers[l];
     acts = acts_view(c->acts_mem, rows, hidden);
@@ -722,8 +909,8 @@ static void step_job(void *arg, int tid, int nth) {
       const float *cs = m->rope_cos + (size_t)pos * d, *sn = m->rope_sin + (size_t)pos * d;
       for (int h = 0; h < hq + hkv; h++) rope(row + h * d, cs, sn, d);
       for (int h = 0; h < hkv; h++) {
-        memcpy(kv_slot(c, l, 0, r, pos, h), row + (hq + h) * d, sizeof(float) * d);
-        memcpy(kv_slot(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, sizeof(float) * d);
+        kv_store(c, kv_index(c, l, 0, r, pos, h), row + (hq + h) * d, d);
+        kv_store(c, kv_index(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, d);
       }
     }
     barrier_wait(&c->barrier, nth, &sense);
@@ -773,6 +960,8 @@ static int check_linear(const ss_linear *w) {
 int ss_forward(const ss_model *m, const ss_kv *kv, int rows, const int64_t *tokens,
                const int32_t *positions, float *out, int nth) {
   if (rows <= 0 || m->head_dim > 512 || m->num_heads % m->num_kv_heads) return -1;
+  if (kv->dtype != SS_KV_F32 && kv->dtype != SS_KV_F16) return -1;
+  if (!m->embed && (!m->embed_quants || !m->embed_scales || m->hidden % QK)) return -1;
   int max_ctx = 0;
   for (int r = 0; r < rows; r++) {
     if (positions[r] < 0 || positions[r] >= m->max_pos || tokens[r] < 0 || tokens[r] >= m->vocab)
@@ -870,3 +1059,19 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
 }
 
 int ss_simd(void) { return SS_AVX2; }
+
+/* The K/V conversions alone, for tests: n floats to halves as a K/V store rounds them, and n
+ * halves to floats as attention reads them. */
+int ss_store_half(const float *src, int n, uint16_t *dst) {
+  store_half(dst, src, n);
+  return 0;
+}
+
+int ss_load_half(const uint16_t *src, int n, float *dst) {
+  int i = 0;
+#if SS_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src, (size_t)i, 1));
+#endif
+  for (; i < n; i++) dst[i] = half_to_float(src[i]);
+  return 0;
+}

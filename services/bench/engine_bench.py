@@ -15,6 +15,7 @@ from services.bench.hardware import measure_read_bandwidth_gb_s
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_setup import load_serving_model
+from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.model.llama import LlamaModel
 from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
@@ -27,17 +28,17 @@ def _prompt(length: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(length)]
 
 
-def _engine(model: LlamaModel, **overrides) -> Engine:
-    cfg = {"kv_cache_bytes": 1 << 30, "max_num_seqs": 64}
+def _engine(model: LlamaModel, kv_cache_dtype: str = "auto", **overrides) -> Engine:
+    cfg = {"kv_cache_bytes": 1 << 30, "max_num_seqs": 64, "kv_cache_dtype": kv_cache_dtype}
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg), model=model)
 
 
-def decode_rate(model: LlamaModel, batch: int, steps: int) -> float:
+def decode_rate(model: LlamaModel, batch: int, steps: int, kv_cache_dtype: str = "auto") -> float:
     """Steady-state tokens/s with `batch` sequences decoding at ~CONTEXT tokens of context."""
     # Every prompt is in before the first decode (no chunk cap while decoding): otherwise the
     # early sequences finish while the late ones still prefill, and fewer than `batch` decode.
-    engine = _engine(model, chunk_tokens_while_decoding=None)
+    engine = _engine(model, kv_cache_dtype, chunk_tokens_while_decoding=None)
     # The first sequences decode while the later prompts are prefilled (a step's budget holds
     # about one prompt): their budget covers those steps too, so all `batch` decode throughout.
     prefill_steps = batch * -(-CONTEXT // engine.config.max_num_batched_tokens)
@@ -70,24 +71,28 @@ def time_to_first_token(engine: Engine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def prefill_rate(model: LlamaModel, length: int = 1024, repeats: int = 2) -> float:
+def prefill_rate(
+    model: LlamaModel, length: int = 1024, repeats: int = 2, kv_cache_dtype: str = "auto"
+) -> float:
     vocab = model.config.vocab_size
     best = min(
-        time_to_first_token(_engine(model), _prompt(length, 2000 + r, vocab))
+        time_to_first_token(_engine(model, kv_cache_dtype), _prompt(length, 2000 + r, vocab))
         for r in range(repeats)
     )
     return length / best
 
 
-def prefix_ttft_ratio(model: LlamaModel, length: int = 2048, cached: int = 1920) -> dict:
+def prefix_ttft_ratio(
+    model: LlamaModel, length: int = 2048, cached: int = 1920, kv_cache_dtype: str = "auto"
+) -> dict:
     """TTFT of a prompt whose first `cached` tokens are in the prefix cache, vs uncached."""
     vocab = model.config.vocab_size
-    engine = _engine(model)
+    engine = _engine(model, kv_cache_dtype)
     prompt = _prompt(length, 3000, vocab)
     warm = prompt[:cached] + _prompt(64, 3001, vocab)  # same head, different tail
     time_to_first_token(engine, warm)
     cached_s = time_to_first_token(engine, prompt)
-    cold_s = time_to_first_token(_engine(model), _prompt(length, 3002, vocab))
+    cold_s = time_to_first_token(_engine(model, kv_cache_dtype), _prompt(length, 3002, vocab))
     return {
         "ttft_cached_ms": cached_s * 1e3,
         "ttft_uncached_ms": cold_s * 1e3,
@@ -95,9 +100,9 @@ def prefix_ttft_ratio(model: LlamaModel, length: int = 2048, cached: int = 1920)
     }
 
 
-def kv_bytes_read_per_step(model: LlamaModel, context: int) -> int:
+def kv_bytes_read_per_step(model: LlamaModel, context: int, dtype: torch.dtype) -> int:
     c = model.config
-    itemsize = torch.empty((), dtype=model.kv_dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
     return context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * itemsize
 
 
@@ -148,8 +153,10 @@ def run(
     threads: int,
     quick: bool = False,
     llama_bench: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     torch.set_num_threads(threads)
+    kv_dtype, kv_why = resolve_kv_dtype(kv_cache_dtype)
     model, choice = load_serving_model(model_path, weights, threads=threads)
     checkpoint_source = model_path or default_model_path()
     mem = measure_read_bandwidth_gb_s()
@@ -160,18 +167,24 @@ def run(
         "decode_format": model.decode_weights,
         "threads": threads,
         "context": CONTEXT,
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+        "kv_cache_dtype_reason": kv_why,
     }
     if choice is not None:
         result["format_choice"] = choice.to_json() | {"cached": choice.cached}
     for batch, n in steps.items():
-        result[f"decode_tok_s_b{batch}"] = decode_rate(model, batch, n)
-    result["prefill_tok_s_1k"] = prefill_rate(model, repeats=1 if quick else 2)
-    prefix = prefix_ttft_ratio(model)
+        result[f"decode_tok_s_b{batch}"] = decode_rate(model, batch, n, kv_cache_dtype)
+    result["prefill_tok_s_1k"] = prefill_rate(
+        model, repeats=1 if quick else 2, kv_cache_dtype=kv_cache_dtype
+    )
+    prefix = prefix_ttft_ratio(model, kv_cache_dtype=kv_cache_dtype)
     result["prefix_ttft_ratio"] = prefix["ratio"]
     result["prefix_ttft_cached_ms"] = prefix["ttft_cached_ms"]
     result["prefix_ttft_uncached_ms"] = prefix["ttft_uncached_ms"]
     result["mem_read_gb_s"] = mem
-    step_bytes = model.weight_bytes_per_token_step + kv_bytes_read_per_step(model, CONTEXT)
+    step_bytes = model.weight_bytes_per_token_step + kv_bytes_read_per_step(
+        model, CONTEXT, kv_dtype
+    )
     result["decode_bytes_per_step_b1"] = step_bytes
     result["decode_bw_efficiency"] = step_bytes * result["decode_tok_s_b1"] / (mem * 1e9)
     gguf = checkpoint_source.endswith(".gguf")

@@ -540,13 +540,17 @@ def kv_blocks_from_metrics(text: str) -> int | None:
     return None
 
 
-def kv_tokens_from_config(kv_cache_bytes: int, block_size: int, model_path: str) -> int:
+def kv_tokens_from_config(
+    kv_cache_bytes: int, block_size: int, model_path: str, kv_cache_dtype: str = "float32"
+) -> int:
     """What a worker allocates: whole blocks of the budget (services/worker/runtime.py), each
-    holding K and V of every layer in fp32 (the KV dtype for every weight format)."""
+    holding K and V of every layer in the dtype `kv_cache_dtype` resolves to on this machine."""
+    from shared.kvcache.kv_dtype import resolve_kv_dtype
     from shared.modelfile.gguf_meta import read_gguf_config
 
     c = read_gguf_config(model_path)
-    block_bytes = c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * 4
+    itemsize = resolve_kv_dtype(kv_cache_dtype)[0].itemsize
+    block_bytes = c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * itemsize
     return (kv_cache_bytes // block_bytes) * block_size
 
 
@@ -570,7 +574,10 @@ def our_kv_capacity(stack: Any, model_path: str) -> dict[str, Any]:
         else:
             model = config.model(worker["model"])
             tokens = kv_tokens_from_config(
-                model.worker.kv_cache_bytes, config.block_size, model_path
+                model.worker.kv_cache_bytes,
+                config.block_size,
+                model_path,
+                model.worker.kv_cache_dtype,
             )
             source = "config kv_cache_bytes and the model's KV layout (a worker had no /metrics)"
         name = f"{worker['role']} {worker_id}"

@@ -13,6 +13,7 @@ from services.commands.common import (
     positive_float,
     positive_int,
 )
+from shared.config.engine_defaults import KV_CACHE_DTYPES
 
 
 def add_command(sub) -> None:
@@ -26,6 +27,12 @@ def add_command(sub) -> None:
         "--llama-bench",
         default=None,
         help="a llama.cpp llama-bench binary: the peer's figures (else llama-cpp-python)",
+    )
+    eng.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV pool element type (auto: what a serving replica takes on this machine)",
     )
     eng.set_defaults(handler=run_engine)
 
@@ -107,11 +114,17 @@ def run_engine(args: argparse.Namespace) -> int:
 
     threads = args.threads or 2
     result = engine_bench.run(
-        args.weights, args.model, threads, quick=args.quick, llama_bench=args.llama_bench
+        args.weights,
+        args.model,
+        threads,
+        quick=args.quick,
+        llama_bench=args.llama_bench,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     result["machine"] = machine_info()
     print_table(
-        f"splitserve bench engine (weights={args.weights}, threads={threads})",
+        f"splitserve bench engine (weights={args.weights}, threads={threads}, "
+        f"KV {result['kv_cache_dtype']})",
         engine_bench.table_rows(result),
     )
     save_outputs("engine", result, args.json, args.plot)

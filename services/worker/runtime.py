@@ -21,6 +21,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_setup import load_serving_model
 from shared.kvcache.events import KVEvent
+from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.kvcache.tables import BlockTable
 from shared.modelfile.default import default_model_path
 from shared.rpc.auth import InternalAuth
@@ -82,6 +83,7 @@ class WorkerRuntime:
             weights=self.model_cfg.weights,
             block_size=config.block_size,
             kv_cache_bytes=worker.kv_cache_bytes,
+            kv_cache_dtype=worker.kv_cache_dtype,
             host_cache_bytes=worker.host_cache_bytes,
             disk_cache_dir=worker.disk_cache_dir,
             disk_cache_bytes=worker.disk_cache_bytes,
@@ -115,7 +117,9 @@ class WorkerRuntime:
             worker.kv_cache_bytes // 2**20,
             worker.host_cache_bytes // 2**20,
         )
-        layout = model.kv_layout(config.block_size)
+        kv_dtype, why = resolve_kv_dtype(worker.kv_cache_dtype)
+        log.info("%s KV cache %s", self.worker_id, why)
+        layout = model.kv_layout(config.block_size, kv_dtype)
         num_blocks = worker.kv_cache_bytes // layout.block_bytes
         self.transfer_kind = config.transfer.backend
         pool = create_pool(

@@ -28,6 +28,11 @@ CHUNK_TOKENS_WHILE_DECODING = 128
 MAX_NUM_SEQS = 64
 PREEMPTION_MODE: PreemptionMode = "recompute"
 WEIGHTS: Final = "auto"  # the fastest build that passed the quality gate, measured on this machine
+# The KV pool's element type (shared/kvcache/kv_dtype.py): auto = fp16 where the hardware
+# converts it, halving the cache bytes a decode step reads and doubling a budget's tokens.
+KVCacheDtype = Literal["auto", "float32", "float16"]
+KV_CACHE_DTYPES: Final = ("auto", "float32", "float16")
+KV_CACHE_DTYPE: KVCacheDtype = "auto"
 
 # An engine built as a library gets exactly the device blocks it is given: a test's or a
 # bench's prefix-cache and eviction behaviour is that of its pool alone, and no 512 MiB host
@@ -37,6 +42,9 @@ LIBRARY_HOST_CACHE_BYTES = 0
 # `auto` measures every eligible build at load time (seconds, and a quality-gate report per
 # format); a library engine loads the reference fp32 weights unless told otherwise.
 LIBRARY_WEIGHTS: Final = "fp32"
+# ... and an fp32 KV cache: the library's reference is the plain fp32 model, whose every
+# intermediate is fp32.
+LIBRARY_KV_CACHE_DTYPE: KVCacheDtype = "float32"
 
 # Speculative decoding (decode replicas).
 SPECULATIVE_METHOD: Final = "none"

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.config import engine_defaults as defaults
-from shared.config.engine_defaults import PreemptionMode
+from shared.config.engine_defaults import KVCacheDtype, PreemptionMode
 from shared.config.faults import FaultInjection
 from shared.config.policy import ApiKeysConfig, ModelRoutesConfig, Prices, TiersConfig
 from shared.config.router import RouterConfig
@@ -47,6 +47,10 @@ class PoolsConfig(_Strict):
 
 class WorkerConfig(_Strict):
     kv_cache_bytes: int = Field(defaults.KV_CACHE_BYTES, gt=0)
+    kv_cache_dtype: KVCacheDtype = Field(
+        defaults.KV_CACHE_DTYPE,
+        description="KV pool element type; auto = fp16 where the hardware converts it",
+    )
     host_cache_bytes: int = Field(defaults.HOST_CACHE_BYTES, ge=0)
     disk_cache_bytes: int = Field(defaults.DISK_CACHE_BYTES, ge=0)
     disk_cache_dir: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import engine_defaults as defaults
-from shared.config.engine_defaults import PreemptionMode
+from shared.config.engine_defaults import KV_CACHE_DTYPES, KVCacheDtype, PreemptionMode
 from shared.config.speculative import MAX_SPECULATIVE_TOKENS, SpecMethod
 from shared.model.formats import SERVING_FORMATS
 
@@ -16,13 +16,14 @@ BACKGROUND_PRIORITY = 2
 @dataclass(frozen=True)
 class EngineConfig:
     """Defaults are the deployment schema's, from shared/config/engine_defaults.py, except its
-    LIBRARY_* ones (the weights and the KV host tier; the reasons are there).
+    LIBRARY_* ones (the weights, the KV dtype and the KV host tier; the reasons are there).
     tests/unit/test_config_defaults.py holds every shared field to that."""
 
     model: str | None = None  # GGUF file or HF folder; None = the bundled SmolLM2
     weights: str = defaults.LIBRARY_WEIGHTS  # one of SERVING_FORMATS; `auto` is measured
     block_size: int = defaults.BLOCK_SIZE
     kv_cache_bytes: int = defaults.KV_CACHE_BYTES
+    kv_cache_dtype: KVCacheDtype = defaults.LIBRARY_KV_CACHE_DTYPE  # auto | float32 | float16
     num_blocks: int | None = None  # overrides kv_cache_bytes when set (tests)
     host_cache_bytes: int = defaults.LIBRARY_HOST_CACHE_BYTES  # KV host tier; 0 disables it
     disk_cache_dir: str | None = None
@@ -51,6 +52,11 @@ class EngineConfig:
         if self.weights not in SERVING_FORMATS:
             raise ValueError(
                 f"weights must be one of {', '.join(SERVING_FORMATS)}, got {self.weights!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")

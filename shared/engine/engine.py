@@ -20,6 +20,7 @@ from shared.engine.speculator_build import build_speculator
 from shared.kvcache.block_manager import BlockManager
 from shared.kvcache.disk_kv_tier import DiskKVTier
 from shared.kvcache.host_kv_tier import HostKVTier
+from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.kvcache.pool import KVPool
 from shared.kvcache.tables import BlockTable
 from shared.model.llama import LlamaModel
@@ -58,7 +59,8 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or model_cfg.max_position, model_cfg.max_position
         )
-        layout = self.model.kv_layout(config.block_size)
+        self.kv_dtype, _ = resolve_kv_dtype(config.kv_cache_dtype, config.device)
+        layout = self.model.kv_layout(config.block_size, self.kv_dtype)
         if pool is not None:
             if pool.layout != layout:
                 raise ValueError(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.hostmem.huge_pages import zeros_tensor
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -48,9 +50,12 @@ class KVPool:
             raise ValueError(f"KV pool needs at least one block, got num_blocks={num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros(
-            (num_blocks, *layout.block_shape), dtype=layout.dtype, device=device
-        )
+        shape = (num_blocks, *layout.block_shape)
+        if torch.device(device).type == "cpu":
+            # On huge pages: a decode step reads K/V across tens of thousands of 4 KiB pages.
+            self.tensor = zeros_tensor(shape, layout.dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @classmethod
     def from_budget(

@@ -18,6 +18,7 @@ from kernels.attention_kernel import AttentionKernel
 from kernels.attention_metadata import AttentionMetadata
 from kernels.torch_attention import TorchPagedAttention
 from shared.kvcache.pool import KVLayout, KVPool
+from shared.model.embedding import TokenEmbedding
 from shared.model.gguf_file import Checkpoint
 from shared.model.linear import Linear, WeightFormat, fuse_q4_1, fuse_rows
 from shared.model.native_step import NativeMatrix, NativeStep
@@ -144,13 +145,18 @@ class LlamaModel:
         self.attention = attention or TorchPagedAttention()
         t = checkpoint.tensors
         dev = self.device
-        self.embed_tokens = t["embed_tokens"].to(dev)
+        natives = {f for f in (weights, self.decode_weights) if f in NATIVE_FORMATS}
+        # The file's Q8_0 embedding blocks serve lookups unless a torch head of this model
+        # is made from the same fp32 rows (tied, no native head): then those rows are
+        # resident anyway.
+        self.embed_tokens = TokenEmbedding.from_checkpoint(
+            checkpoint, dev, keep_blocks=bool(natives) or not cfg.tie_embeddings
+        )
         self.norm = t["norm"].to(dev)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, dev)
         self.scale = cfg.head_dim**-0.5
         self.native: NativeStep | None = None
         self.native_reason = "not asked for"
-        natives = {f for f in (self.weights, self.decode_weights) if f in NATIVE_FORMATS}
         if len(natives) > 1:
             raise ValueError(f"one native build per model, not {sorted(natives)}")
         if natives:
@@ -202,17 +208,11 @@ class LlamaModel:
     def prefill_native(self) -> bool:
         return self.weights in NATIVE_FORMATS
 
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV cache stays fp32 for every weight format: a bf16 cache halves the bytes
-        but torch's CPU attention kernels were measured slower on bf16 here."""
-        return torch.float32
-
-    def kv_layout(self, block_size: int, dtype: torch.dtype | None = None) -> KVLayout:
+    def kv_layout(self, block_size: int, dtype: torch.dtype = torch.float32) -> KVLayout:
+        """The pool layout this model's attention reads: fp32 or fp16 elements (what a
+        replica's `kv_cache_dtype` resolved to; shared/kvcache/kv_dtype.py)."""
         c = self.config
-        return KVLayout(
-            c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype or self.kv_dtype
-        )
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype)
 
     @property
     def weight_bytes_per_token_step(self) -> int:
@@ -232,7 +232,10 @@ class LlamaModel:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each weight representation holds (what the worker reports at start)."""
-        out = {"embedding+norms": self.embed_tokens.numel() * 4}
+        norms = self.norm.numel() + sum(
+            lyr.input_norm.numel() + lyr.post_attention_norm.numel() for lyr in self.layers
+        )
+        out = {"embedding+norms": self.embed_tokens.nbytes + 4 * norms}
         for fmt, (layers, head) in self._torch.items():
             matrices = [m for lyr in layers for m in (lyr.qkv, lyr.o_proj, lyr.gate_up, lyr.down)]
             if head is not None:

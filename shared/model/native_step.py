@@ -16,6 +16,8 @@ import torch
 
 from kernels.native import abi
 from kernels.native.build import NativeBuild, load
+from shared.hostmem.huge_pages import copy_array
+from shared.model.embedding import TokenEmbedding
 from shared.model.gguf_file import Checkpoint
 from shared.modelfile.config import ModelConfig
 
@@ -87,12 +89,14 @@ def _regroup_nibbles(quants: np.ndarray) -> np.ndarray:
 # (linear_a8.h: faster, lossy, gated by a report of its own).
 ACTIVATIONS = ("fp32", "int8")
 
+KV_KINDS = {torch.float32: abi.KV_F32, torch.float16: abi.KV_F16}
+
 
 class NativeStep:
     def __init__(
         self,
         checkpoint: Checkpoint,
-        embed: torch.Tensor,
+        embed: TokenEmbedding,
         rope_cos,
         rope_sin,
         build,
@@ -124,8 +128,29 @@ class NativeStep:
         head_name = "lm_head" if "lm_head" in t else "embed_tokens"
         # The head decides the argmax, and it is bound by its bytes, not its instructions: int8
         # activations there gained 0.1 ms a step and cost top-1 agreement, so it keeps fp32.
-        self._head = self._linear(checkpoint, [head_name], int8=False)
-        self._embed = embed.contiguous().float()
+        self.embedding = embed
+        # A tied head in Q8_0 is the embedding's own blocks: one copy serves both.
+        self.shares_embedding = head_name == "embed_tokens" and embed.quantized
+        if self.shares_embedding:
+            assert embed.quants is not None and embed.scales is not None
+            self._head = abi.Linear(
+                abi.Q8_0,
+                cfg.vocab_size,
+                cfg.hidden_size,
+                0,
+                embed.quants.ctypes.data,
+                embed.scales.ctypes.data,
+                None,
+            )
+        else:
+            self._head = self._linear(checkpoint, [head_name], int8=False)
+        if embed.quantized:
+            assert embed.quants is not None and embed.scales is not None
+            embed_rows, embed_quants, embed_scales = None, embed.quants, embed.scales
+        else:
+            assert embed.dense is not None
+            self._embed = embed.dense.contiguous().float()
+            embed_rows, embed_quants, embed_scales = self._embed.data_ptr(), None, None
         self._cos = rope_cos.contiguous()
         self._sin = rope_sin.contiguous()
         self.model = abi.Model(
@@ -139,12 +164,14 @@ class NativeStep:
             max_pos=self._cos.shape[0],
             eps=cfg.rms_norm_eps,
             scale=cfg.head_dim**-0.5,
-            embed=self._embed.data_ptr(),
+            embed=embed_rows,
             final_norm=self._f32_ptr(t["norm"]),
             rope_cos=self._cos.data_ptr(),
             rope_sin=self._sin.data_ptr(),
             layers=layers,
             head=self._head,
+            embed_quants=embed_quants.ctypes.data if embed_quants is not None else None,
+            embed_scales=embed_scales.ctypes.data if embed_scales is not None else None,
         )
 
     @property
@@ -154,10 +181,15 @@ class NativeStep:
 
     @classmethod
     def create(
-        cls, checkpoint: Checkpoint, embed: torch.Tensor, rope_cos, rope_sin, activations="fp32"
+        cls,
+        checkpoint: Checkpoint,
+        embed: TokenEmbedding,
+        rope_cos,
+        rope_sin,
+        activations="fp32",
     ) -> tuple[NativeStep | None, str]:
         """The native step for this checkpoint, or None and why not."""
-        if embed.device.type != "cpu":
+        if embed.dense is not None and embed.dense.device.type != "cpu":
             return None, "the native step runs on CPU only"
         build = load()
         if not build.available:
@@ -188,7 +220,11 @@ class NativeStep:
             (abi.Q8_0_A8 if int8 else abi.Q8_0, checkpoint.q8_0_blocks),
         ):
             if all(n in blocks for n in names):
-                quants, scales, mins = repack(kind, _stack([blocks[n] for n in names]))
+                # Copied onto huge pages: every step streams all of them (see huge_pages.py).
+                quants, scales, mins = (
+                    None if a is None else copy_array(a)
+                    for a in repack(kind, _stack([blocks[n] for n in names]))
+                )
                 arrays = [a for a in (quants, scales, mins) if a is not None]
                 self._keep.extend(arrays)
                 self._weight_bytes += sum(a.nbytes for a in arrays)
@@ -214,8 +250,10 @@ class NativeStep:
 
     @property
     def nbytes(self) -> NativeBytes:
-        """Memory the matrices hold, and bytes a batch-1 step reads."""
-        return NativeBytes(self._weight_bytes, self._weight_bytes)
+        """Memory the matrices hold (a head shared with the embedding is the embedding's),
+        and bytes a batch-1 step reads (that head included)."""
+        shared = self.embedding.nbytes if self.shares_embedding else 0
+        return NativeBytes(self._weight_bytes, self._weight_bytes + shared)
 
     # ------------------------------------------------------------------ running
 
@@ -224,12 +262,17 @@ class NativeStep:
         token_ids: np.ndarray,  # int64 [rows]
         positions: np.ndarray,  # int32 [rows]
         block_tables: np.ndarray,  # int32 [rows, max_blocks]: each row's sequence's blocks
-        cache: torch.Tensor,  # the KV pool tensor (fp32, block-major)
+        cache: torch.Tensor,  # the KV pool tensor (fp32 or fp16, block-major)
         block_size: int,
     ) -> torch.Tensor:  # [rows, hidden] final-normed hidden states
         rows = int(token_ids.shape[0])
         out = torch.empty((rows, self.config.hidden_size), dtype=torch.float32)
-        kv = abi.KV(cache.data_ptr(), block_size, block_tables.shape[1], block_tables.ctypes.data)
+        kind = KV_KINDS.get(cache.dtype)
+        if kind is None:
+            raise NativeStepError(f"the native step reads fp32 or fp16 KV, not {cache.dtype}")
+        kv = abi.KV(
+            cache.data_ptr(), block_size, block_tables.shape[1], block_tables.ctypes.data, kind, 0
+        )
         code = self.lib.ss_forward(
             ctypes.byref(self.model),
             ctypes.byref(kv),

@@ -40,7 +40,10 @@ def client(stack):
 
 def expected_greedy(real_model, real_tokenizer, messages, max_tokens) -> tuple[str, int]:
     """(text, completion tokens) of the plain single-process engine."""
-    engine = Engine(EngineConfig(num_blocks=64), model=real_model, tokenizer=real_tokenizer)
+    # kv_cache_dtype auto resolves as the stack's workers resolve it (fp16 where the CPU
+    # converts it): the plain run of the same configuration.
+    config = EngineConfig(num_blocks=64, kv_cache_dtype="auto", num_threads=1)
+    engine = Engine(config, model=real_model, tokenizer=real_tokenizer)
     prompt = real_tokenizer.encode(real_tokenizer.apply_chat_template(messages))
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     outputs = list(engine.run_until_done())
@@ -158,7 +161,11 @@ def test_echo_logprobs_agree_on_a_cached_prefix(stack, real_model, real_tokenize
     assert hot["token_logprobs"][0] is None and hot["top_logprobs"][0] is None
     assert hot["token_logprobs"][1:] == pytest.approx(cold["token_logprobs"][1:], abs=1e-4)
     assert all(isinstance(top, dict) and top for top in hot["top_logprobs"][1:])
-    engine = Engine(EngineConfig(num_blocks=64), model=real_model, tokenizer=real_tokenizer)
+    # The stack's KV dtype (auto: fp16 on CPUs that convert it) and its workers' one thread:
+    # fp16 storage turns a last-bit difference of fp32 sums (another thread count sums in
+    # another order) into a whole fp16 step, so the reference computes as the worker does.
+    config = EngineConfig(num_blocks=64, kv_cache_dtype="auto", num_threads=1)
+    engine = Engine(config, model=real_model, tokenizer=real_tokenizer)
     engine.add_request(ids, SamplingParams(max_tokens=1), prompt_logprobs=True)
     (first, *_) = list(engine.run_until_done())
     expected = [lp.logprob for lp in first.prompt_logprobs]

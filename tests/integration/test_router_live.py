@@ -21,7 +21,9 @@ pytestmark = pytest.mark.real_model
 
 
 def greedy(real_model, prompt: list[int], max_tokens: int) -> list[int]:
-    engine = Engine(EngineConfig(num_blocks=64), model=real_model)
+    # auto: the KV dtype the stack's workers take on this machine.
+    config = EngineConfig(num_blocks=64, kv_cache_dtype="auto", num_threads=1)  # as a worker
+    engine = Engine(config, model=real_model)
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [t for o in engine.run_until_done() for t in o.new_token_ids]
 

@@ -22,6 +22,7 @@ ENGINE_ONLY = {"num_blocks", "device", "seed"}
 LIBRARY_EXCEPTIONS = {
     "host_cache_bytes": (defaults.LIBRARY_HOST_CACHE_BYTES, defaults.HOST_CACHE_BYTES),
     "weights": (defaults.LIBRARY_WEIGHTS, defaults.WEIGHTS),
+    "kv_cache_dtype": (defaults.LIBRARY_KV_CACHE_DTYPE, defaults.KV_CACHE_DTYPE),
 }
 
 

@@ -233,8 +233,10 @@ def test_a_matrix_with_ragged_blocks_is_refused(native_lib):
 # ---------------------------------------------------------------- the whole step
 
 
-def _prefilled(model: LlamaModel, prompt: list[int], blocks: int = 16) -> tuple[KVPool, list]:
-    pool = KVPool(model.kv_layout(16), blocks)
+def _prefilled(
+    model: LlamaModel, prompt: list[int], blocks: int = 16, dtype: torch.dtype = torch.float32
+) -> tuple[KVPool, list]:
+    pool = KVPool(model.kv_layout(16, dtype), blocks)
     table = list(range(blocks))
     n = len(prompt)
     model.forward(torch.tensor(prompt), AttentionMetadata([n], [n], [table], 16), pool)
@@ -264,6 +266,128 @@ def test_native_step_equals_torch_eager_step_on_the_tiny_model(split_model):
     assert (compiled - eager).abs().max().item() <= 1e-4
     # The new K/V landed in the same slots with the same values.
     assert (twin.tensor - pool.tensor).abs().max().item() <= 1e-4
+
+
+def test_native_step_reads_and_writes_an_fp16_pool_like_the_torch_path(split_model):
+    """An fp16 pool through the native step and through torch's attention: the same logits
+    (both compute in fp32 over the same stored values), and the new K/V stored as torch
+    rounds fp32 to fp16 (nearest even), bit for bit where the fp32 values are equal."""
+    prompt = _prompts(1, seed=5)[0]
+    pool, table = _prefilled(split_model, prompt, dtype=torch.float16)
+    twin = KVPool(pool.layout, pool.num_blocks)
+    twin.tensor.copy_(pool.tensor)
+    n = len(prompt)
+    tokens = [17, 99, 3]
+    meta = AttentionMetadata([3], [n + 3], [table], 16)
+    eager = split_model.logits(split_model.forward(torch.tensor(tokens), meta, pool, "fp32"))
+    native = split_model.native
+    assert native is not None
+    hidden = native.forward(
+        np.asarray(tokens, dtype=np.int64),
+        np.arange(n, n + 3, dtype=np.int32),
+        np.asarray([table] * 3, dtype=np.int32),
+        twin.tensor,
+        16,
+    )
+    assert (split_model.logits(hidden, decode=True) - eager).abs().max().item() <= 1e-3
+    # Layer 0's K/V of the new tokens depend on the embedding alone: same fp32 values on both
+    # paths, so the same fp16 bits.
+    assert torch.equal(twin.tensor[:, 0], pool.tensor[:, 0])
+    fp32_pool, _ = _prefilled(split_model, prompt)
+    fp32_pool_native = KVPool(fp32_pool.layout, fp32_pool.num_blocks)
+    fp32_pool_native.tensor.copy_(fp32_pool.tensor)
+    native.forward(
+        np.asarray(tokens, dtype=np.int64),
+        np.arange(n, n + 3, dtype=np.int32),
+        np.asarray([table] * 3, dtype=np.int32),
+        fp32_pool_native.tensor,
+        16,
+    )
+    written = fp32_pool_native.tensor[:, 0].to(torch.float16)
+    assert torch.equal(written, twin.tensor[:, 0])
+
+
+@pytest.mark.parametrize("flags", ["-O3 -mavx2 -mfma -mf16c", "-O3"], ids=["avx2", "scalar"])
+def test_the_other_simd_paths_read_and_write_fp16_kv_alike(
+    split_model, flags, monkeypatch, tmp_path
+):
+    """The AVX2 and plain-C builds store fp16 K/V with the same bits as the build in use
+    (round to nearest even, subnormals included) and read them to the same logits."""
+    from kernels.native.build import load
+
+    monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", flags)
+    other = load(tmp_path)
+    assert other.available, other.reason
+    native = split_model.native
+    assert native is not None
+    prompt = _prompts(1, seed=11)[0]
+    pool, table = _prefilled(split_model, prompt, dtype=torch.float16)
+    n = len(prompt)
+    args = (
+        np.asarray([17, 99], dtype=np.int64),
+        np.arange(n, n + 2, dtype=np.int32),
+        np.asarray([table] * 2, dtype=np.int32),
+    )
+    here = KVPool(pool.layout, pool.num_blocks)
+    here.tensor.copy_(pool.tensor)
+    want = native.forward(*args, here.tensor, 16)
+    there = KVPool(pool.layout, pool.num_blocks)
+    there.tensor.copy_(pool.tensor)
+    saved = native.lib
+    native.lib = other.library
+    try:
+        got = native.forward(*args, there.tensor, 16)
+    finally:
+        native.lib = saved
+    assert (got - want).abs().max().item() <= 1e-4
+    assert torch.equal(there.tensor[:, 0], here.tensor[:, 0])
+
+
+@pytest.mark.parametrize(
+    "flags", [None, "-O3 -mavx2 -mfma -mf16c", "-O3"], ids=["here", "avx2", "scalar"]
+)
+def test_fp16_conversions_match_torch_bit_for_bit(flags, monkeypatch, tmp_path):
+    """Every finite half converts to the float torch gives, and floats round to half as torch
+    rounds them (nearest even: ties, subnormals, overflow to infinity) in every build."""
+    from kernels.native.build import load
+
+    if flags is not None:
+        monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", flags)
+    build = load(tmp_path if flags is not None else None)
+    assert build.available, build.reason
+    lib = build.library
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    halves = halves[~torch.isnan(halves)].contiguous()
+    floats = torch.empty(halves.shape, dtype=torch.float32)
+    assert lib.ss_load_half(halves.data_ptr(), halves.numel(), floats.data_ptr()) == 0
+    assert torch.equal(floats, halves.float())
+    rng = torch.Generator().manual_seed(3)
+    edge = torch.tensor(
+        [
+            1.0 + 2**-11,
+            1.0 + 3 * 2**-11,
+            2**-20,
+            -1.5 * 2**-24,
+            2**-25,
+            65504.0,
+            65519.0,
+            65520.0,
+            -70000.0,
+            1e-30,
+            -0.0,
+            float("inf"),
+        ]
+    )
+    values = torch.cat(
+        [
+            edge,
+            torch.randn(4096, generator=rng) * 10.0 ** torch.randint(-9, 5, (4096,), generator=rng),
+        ]
+    )
+    values = values.float().contiguous()
+    stored = torch.empty(values.shape, dtype=torch.float16)
+    assert lib.ss_store_half(values.data_ptr(), values.numel(), stored.data_ptr()) == 0
+    assert torch.equal(stored.view(torch.int16), values.to(torch.float16).view(torch.int16))
 
 
 def test_a_row_is_computed_the_same_whatever_shares_its_step(split_model):
@@ -326,18 +450,28 @@ def test_no_compiler_means_no_native_step_and_a_reason(monkeypatch):
 # ---------------------------------------------------------------- engine paths
 
 
-@pytest.fixture(scope="module", params=["split", "q-split", "native", "a8-split", "a8"])
+ENGINE_PATHS = [
+    (model, kv)
+    for model in ("split", "q-split", "native", "a8-split", "a8")
+    for kv in ("float32", "float16")
+]
+
+
+@pytest.fixture(scope="module", params=ENGINE_PATHS, ids=[f"{m}-{kv}" for m, kv in ENGINE_PATHS])
 def model_and_alone(
     request, split_model, quantized_split_model, native_model, a8_split_model, a8_model
 ):
+    """A model build and KV element type, with each prompt's plain single-sequence output
+    under the same build and KV type (fp16 KV is part of the configuration, like the format)."""
+    name, kv = request.param
     model = {
         "split": split_model,
         "q-split": quantized_split_model,
         "native": native_model,
         "a8-split": a8_split_model,
         "a8": a8_model,
-    }[request.param]
-    return model, _alone(model, _prompts(8))
+    }[name]
+    return model, kv, _alone(model, _prompts(8), kv_cache_dtype=kv)
 
 
 def test_one_model_holds_one_native_build():
@@ -365,23 +499,23 @@ def test_int8_activations_change_the_logits_a_little(quantized_split_model, a8_s
 
 
 def test_batch_of_eight_equals_each_alone(model_and_alone):
-    model, alone = model_and_alone
-    engine = _engine(model)
+    model, kv, alone = model_and_alone
+    engine = _engine(model, kv_cache_dtype=kv)
     assert engine.generate(_prompts(8), GREEDY) == alone
     engine.blocks.check_integrity()
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 33])
 def test_chunked_prefill_equals_unchunked(model_and_alone, chunk):
-    model, alone = model_and_alone
-    engine = _engine(model, max_num_batched_tokens=chunk)
+    model, kv, alone = model_and_alone
+    engine = _engine(model, kv_cache_dtype=kv, max_num_batched_tokens=chunk)
     assert engine.generate(_prompts(8), GREEDY) == alone
     engine.blocks.check_integrity()
 
 
 def test_cached_prefix_equals_fresh(model_and_alone):
-    model, alone = model_and_alone
-    engine = _engine(model)
+    model, kv, alone = model_and_alone
+    engine = _engine(model, kv_cache_dtype=kv)
     prompt = _prompts(8)[3]
     assert engine.generate([prompt], GREEDY) == [alone[3]]
     engine.add_request(prompt, GREEDY)
@@ -393,8 +527,8 @@ def test_cached_prefix_equals_fresh(model_and_alone):
 
 @pytest.mark.parametrize("method", ["ngram", "adaptive"])
 def test_speculative_decoding_equals_plain(model_and_alone, method):
-    model, alone = model_and_alone
-    engine = _engine(model, speculative_method=method, num_speculative_tokens=4)
+    model, kv, alone = model_and_alone
+    engine = _engine(model, kv_cache_dtype=kv, speculative_method=method, num_speculative_tokens=4)
     assert engine.generate(_prompts(8), GREEDY) == alone
     engine.blocks.check_integrity()
 

@@ -283,6 +283,9 @@ def test_kv_capacity_readings(gguf_path):
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, 16, torch.float32)
     budget = 256 << 20
     assert sb.kv_tokens_from_config(budget, 16, gguf_path) == budget // layout.block_bytes * 16
+    half = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, 16, torch.float16)
+    fp16 = sb.kv_tokens_from_config(budget, 16, gguf_path, "float16")
+    assert fp16 == budget // half.block_bytes * 16
     given = sb.peer_kv_capacity("http://127.0.0.1:9", 4096)
     assert given == {"kv_tokens": 4096, "kv_tokens_source": "--peer-kv-tokens"}
 
