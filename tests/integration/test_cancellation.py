@@ -96,7 +96,7 @@ async def _leave_during_prefill(stack, prefill_address: str) -> dict:
         busy = {}
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not task.done():
-            busy = await asyncio.to_thread(_stats, prefill_address)
+            busy = await asyncio.to_thread(_stats, stack, prefill_address)
             if busy["load"]["running"] or busy["load"]["waiting"]:
                 break
             await asyncio.sleep(0.02)
