@@ -128,7 +128,8 @@ def test_abort_mid_transfer_ends_aborted_and_releases_once_fenced(big_pair):
     received = decode.wait("stop")
     assert received["state"] == "failed", received
     assert received["error"] == "sender stopped before completing"
-    assert received["seconds"] < 5.0  # of a 30 s deadline
+    # After the in-flight write (0.8 s calm; seconds on a loaded 2-core box), long before 30 s.
+    assert received["seconds"] < 15.0
     assert decode.releases()["stop"] == ["failed"]
     # The pair still works afterwards: the next transfer lands bit-identical.
     remote = decode.prepare_receive("after", blocks, 30.0)
