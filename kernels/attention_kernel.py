@@ -1,7 +1,8 @@
 """The attention kernel interface the model calls once per layer.
 
 A kernel writes the step's new K/V into their paged slots, then computes attention of the new
-queries over each sequence's whole context (cached prefix + new tokens, causal among the new).
+queries over each sequence's whole context (cached prefix + new tokens, causal among the new),
+or, for a sliding-window layer, over the window's most recent keys only.
 The torch reference runs everywhere; Triton kernels plug in behind the same interface on CUDA.
 """
 
@@ -30,6 +31,7 @@ class AttentionKernel(ABC):
         value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window: each query sees its `window` latest keys
     ) -> torch.Tensor:  # [tokens, num_heads, head_dim]
         ...
 

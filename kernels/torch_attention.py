@@ -8,7 +8,7 @@ length (`[B, kv_heads, q_len * group, D]`), so K/V are never repeated in memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ class _BatchedGroup:
     valid: torch.Tensor  # [B, q_max] bool
     block_table: torch.Tensor  # [B, max_blocks]
     mask: torch.Tensor  # [B, 1, q_max, 1, ctx_max] bool: query may see key
+    q_pos: torch.Tensor  # [B, q_max] absolute position of each query (padding: ctx_max)
     ctx_max: int
     all_keys_visible: bool  # decode rows of equal context: no masking needed at all
     in_order: bool  # one token per row, rows are flat tokens 0..B-1
@@ -42,11 +43,26 @@ class _SingleSeq:
     mask: torch.Tensor | None  # [q_len, 1, ctx] bool, None when q_len == 1
 
 
-def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
-    """Query i (absolute position ctx - q_len + i) sees keys 0..ctx - q_len + i."""
+def _causal_mask(
+    q_len: int, ctx: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """Query i (absolute position ctx - q_len + i) sees keys 0..ctx - q_len + i, or with a
+    sliding window only the `window` most recent of them (itself included)."""
     q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
     k_pos = torch.arange(ctx, device=device)[None, :]
-    return k_pos <= q_pos
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _windowed(group: _BatchedGroup, window: int) -> torch.Tensor:
+    """The group's mask narrowed to a sliding window; padding rows keep their key 0."""
+    k_pos = torch.arange(group.ctx_max, device=group.mask.device)
+    q_pos = group.q_pos[:, None, :, None, None]
+    inside = k_pos > q_pos - window
+    padding = ~group.valid[:, None, :, None, None]
+    return group.mask & (inside | padding)
 
 
 class TorchPagedAttention(AttentionKernel):
@@ -79,11 +95,13 @@ class TorchPagedAttention(AttentionKernel):
             )
         meta.kernel_state["torch"] = state
 
-    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale, window=None):
         if "torch" not in meta.kernel_state:
             self.prepare(meta)
         write_kv(k, v, key_cache, value_cache, meta)
         state = meta.kernel_state["torch"]
+        if window is not None:
+            state = self._window_state(state, window, meta.device)
         num_heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = key_cache.shape[2]
         group = group_size = num_heads // kv_heads
@@ -126,6 +144,23 @@ class TorchPagedAttention(AttentionKernel):
         return out
 
     @staticmethod
+    def _window_state(state: dict, window: int, device: torch.device) -> dict:
+        """The step's state with masks narrowed to `window`, built once per step and window
+        (every sliding layer of the step shares it)."""
+        cache = state.setdefault("windows", {})
+        if window not in cache:
+            groups = [
+                replace(g, mask=_windowed(g, window), all_keys_visible=False)
+                for g in state["groups"]
+            ]
+            singles = [
+                replace(s, mask=_causal_mask(s.q_len, s.ctx, device, window)[:, None, :])
+                for s in state["singles"]
+            ]
+            cache[window] = {**state, "groups": groups, "singles": singles}
+        return cache[window]
+
+    @staticmethod
     def _decode_only(q, key_cache, value_cache, batched, scale, kv_heads, group):
         bsz, num_heads, head_dim = q.shape
         keys = _gather(key_cache, batched.block_table, batched.ctx_max)
@@ -156,10 +191,12 @@ def _batched_group(rows: list[int], meta: AttentionMetadata, starts: list[int]) 
     valid = torch.zeros((len(rows), q_max), dtype=torch.bool)
     table = torch.zeros((len(rows), blocks_max), dtype=torch.long)
     mask = torch.zeros((len(rows), q_max, ctx_max), dtype=torch.bool)
+    q_pos = torch.full((len(rows), q_max), ctx_max, dtype=torch.long)
     for row, i in enumerate(rows):
         q_len, ctx = meta.query_lens[i], meta.context_lens[i]
         token_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
         valid[row, :q_len] = True
+        q_pos[row, :q_len] = torch.arange(ctx - q_len, ctx)
         used = meta.block_tables[i][: (ctx + meta.block_size - 1) // meta.block_size]
         table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
         mask[row, :q_len, :ctx] = _causal_mask(q_len, ctx, torch.device("cpu"))
@@ -171,6 +208,7 @@ def _batched_group(rows: list[int], meta: AttentionMetadata, starts: list[int]) 
         valid=valid.to(dev),
         block_table=table.to(dev),
         mask=mask[:, None, :, None, :].to(dev),
+        q_pos=q_pos.to(dev),
         ctx_max=ctx_max,
         all_keys_visible=q_max == 1 and all(meta.context_lens[i] == ctx_max for i in rows),
         in_order=[starts[i] for i in rows] == list(range(len(rows))) and q_max == 1,

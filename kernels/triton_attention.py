@@ -62,7 +62,10 @@ class TritonPagedAttention(AttentionKernel):
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.kernel_state["triton"] = plan_step(meta)
 
-    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale, window=None):
+        if window is not None:
+            # The kernels attend whole contexts; a window-bounded model runs torch attention.
+            raise NotImplementedError("the Triton attention kernels have no sliding window")
         if "triton" not in meta.kernel_state:
             self.prepare(meta)
         step: TritonStep = meta.kernel_state["triton"]

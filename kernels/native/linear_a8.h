@@ -154,6 +154,14 @@ static inline int idot_q8(const int8_t *w, const int8_t *q) {
 #define A8_ROWS 4
 #endif
 
+/* Rows of a matrix are short loops (one output each), so the loads of the rows a few outputs
+ * ahead are issued early: the weights stream from memory every step. */
+#define A8_AHEAD 6
+
+static inline void prefetch_bytes(const void *p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+}
+
 static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
   int groups = nb / 4, pair = (nb % 4) >= 2, single = nb % 2;
@@ -163,6 +171,11 @@ static void linear_q4_1_a8(const ss_linear *w, const ss_acts *a, int rows, float
     for (int o = o0; o < o1; o++) {
       const uint8_t *qs = quants + (size_t)o * nb * Q4_1_QBYTES;
       const float *ds = w->scales + (size_t)o * nb, *ms = w->mins + (size_t)o * nb;
+      if (o + A8_AHEAD < o1) {
+        prefetch_bytes(qs + (size_t)A8_AHEAD * nb * Q4_1_QBYTES, (size_t)nb * Q4_1_QBYTES);
+        prefetch_bytes(ds + (size_t)A8_AHEAD * nb, sizeof(float) * (size_t)nb);
+        prefetch_bytes(ms + (size_t)A8_AHEAD * nb, sizeof(float) * (size_t)nb);
+      }
       float tail[A8_ROWS] = {0.f};
 #if SS_VNNI512
       const __m512i low = _mm512_set1_epi8(0x0f);
@@ -285,6 +298,11 @@ static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float
     for (int o = o0; o < o1; o++) {
       const int8_t *qs = quants + (size_t)o * nb * Q8_0_QBYTES;
       const float *ds = w->scales + (size_t)o * nb;
+      if (o + A8_AHEAD < o1) {
+        prefetch_bytes(qs + (size_t)A8_AHEAD * nb * Q8_0_QBYTES, (size_t)nb * Q8_0_QBYTES);
+        prefetch_bytes(ds + (size_t)A8_AHEAD * nb, sizeof(float) * (size_t)nb);
+        prefetch_bytes(w->mins + (size_t)(o + A8_AHEAD) * nb, sizeof(float) * (size_t)nb);
+      }
 #if SS_VNNI512
       /* (x_q + 128) . w, then the per-block -128 * d * sum(w) correction (in `mins`). */
       const __m512i idx_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);

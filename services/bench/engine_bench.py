@@ -157,7 +157,7 @@ def run(
 ) -> dict:
     torch.set_num_threads(threads)
     kv_dtype, kv_why = resolve_kv_dtype(kv_cache_dtype)
-    model, choice = load_serving_model(model_path, weights, threads=threads)
+    model, choice = load_serving_model(model_path, weights, threads=threads, kv_dtype=kv_dtype)
     checkpoint_source = model_path or default_model_path()
     mem = measure_read_bandwidth_gb_s()
     steps = {1: 48, 8: 24, 32: 12} if not quick else {1: 6, 8: 3, 32: 2}

@@ -36,6 +36,14 @@ def add_command(sub) -> None:
     )
     eng.set_defaults(handler=run_engine)
 
+    mod = kinds.add_parser(
+        "models", help="every served family's tiny model: speed and conversation cache hits"
+    )
+    mod.add_argument("--families", default=None, help="comma-separated (default: all)")
+    mod.add_argument("--json", default=None, help="write the results here")
+    mod.add_argument("--quick", action="store_true", help="shorter timings (smoke run)")
+    mod.set_defaults(handler=run_models)
+
     dis = kinds.add_parser("disagg", help="colocated vs disaggregated replicas under chat load")
     dis.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
     dis.add_argument("--duration", type=float, default=60.0, help="seconds of load per mode")
@@ -129,6 +137,25 @@ def run_engine(args: argparse.Namespace) -> int:
     )
     save_outputs("engine", result, args.json, args.plot)
     return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from services.bench import models_bench
+    from services.bench.report import machine_info, print_table, write_json
+
+    families = args.families.split(",") if args.families else None
+    try:
+        result = models_bench.run(families, quick=args.quick)
+    except ImportError as exc:  # transformers builds the tiny models: a dev dependency
+        print(f"splitserve bench models needs the dev extras ({exc}): pip install -e '.[dev]'")
+        return 2
+    result["machine"] = machine_info()
+    print_table(
+        "splitserve bench models (tiny random-weight models, fp32)", models_bench.table_rows(result)
+    )
+    write_json(args.json, result)
+    below = [f for f, r in result["families"].items() if r["prefix_hit_rate"] < 0.9]
+    return 1 if below else 0
 
 
 def run_disagg(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     try:
         path = args.model or default_model_path()
-        tokenizer = Tokenizer.from_gguf(path) if not _is_dir(path) else None
+        tokenizer = Tokenizer.from_model_path(path) if _has_tokenizer(path) else None
         engine = Engine(
             EngineConfig(model=path, weights=args.weights, num_threads=args.threads),
             tokenizer=tokenizer,
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except (ModelFileError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc))
     if tokenizer is None:
-        return fail("generate needs a GGUF model (its tokenizer is read from the file)")
+        return fail("generate needs the model's tokenizer: a GGUF, or a folder's tokenizer.json")
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
@@ -101,7 +101,8 @@ async def _stream(engine, tokenizer, prompt_ids: list[int], params):
     return n, reason, first, time.perf_counter() - start
 
 
-def _is_dir(path: str) -> bool:
+def _has_tokenizer(path: str) -> bool:
+    """A GGUF carries its tokenizer; a Hugging Face folder, if it has tokenizer.json."""
     import os
 
-    return os.path.isdir(path)
+    return not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))

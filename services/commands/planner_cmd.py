@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 
 from services.commands.common import fail
+from shared.config import engine_defaults
+
+DEFAULT_MAX_SEQS = engine_defaults.MAX_NUM_SEQS  # what one replica's engine batches at most
 
 
 def add_commands(sub) -> None:
@@ -69,23 +73,44 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--prefill-tokens-per-s",
         type=_positive,
-        default=4000.0,
+        default=None,
         metavar="R",
-        help="prompt tokens one prefill replica computes per second",
+        help="prompt tokens one prefill replica computes per second (default: from --profile, "
+        "else 4000)",
     )
     p.add_argument(
         "--decode-tokens-per-s",
         type=_positive,
-        default=600.0,
+        default=None,
         metavar="R",
-        help="tokens one decode replica generates per second",
+        help="tokens one decode replica generates per second (default: from --profile, else 600)",
     )
     p.add_argument(
         "--decode-seqs",
         type=_at_least_one,
-        default=32,
+        default=None,
         metavar="N",
-        help="sequences one decode replica runs at once",
+        help="sequences one decode replica runs at once (default: from --profile, else 32)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="JSON",
+        help="a replica profile (`splitserve profile`, measured or --analytic): the capacities "
+        "above are read from it unless given",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=_at_least_one,
+        default=1024,
+        metavar="N",
+        help="typical prompt + reply length, for the profile's decode capacities",
+    )
+    p.add_argument(
+        "--fleet-hardware",
+        default=None,
+        metavar="GPU",
+        help="the GPU the replicas run on (e.g. h200): the profile is checked against it",
     )
     p.add_argument("--ttft-p99-ms", type=_positive, default=None, metavar="MS")
     p.add_argument("--itl-p99-ms", type=_positive, default=None, metavar="MS")
@@ -98,14 +123,13 @@ def run_planner(args: argparse.Namespace) -> int:
     from services.planner.loop import Planner, PlannerConfig, http_metrics
 
     try:
+        capacity = _capacities(args)
         policy = Policy(
             min_prefill=args.min_prefill,
             max_prefill=args.max_prefill,
             min_decode=args.min_decode,
             max_decode=args.max_decode,
-            prefill_tokens_per_s=args.prefill_tokens_per_s,
-            decode_tokens_per_s=args.decode_tokens_per_s,
-            decode_seqs=args.decode_seqs,
+            **capacity,
             target_utilization=args.target_utilization,
             window_s=args.window,
             horizon_s=args.horizon,
@@ -140,6 +164,49 @@ def run_planner(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     planner.run(stop)
     return 0
+
+
+DEFAULT_CAPACITIES = {
+    "prefill_tokens_per_s": 4000.0,
+    "decode_tokens_per_s": 600.0,
+    "decode_seqs": 32,
+}
+
+
+def _capacities(args: argparse.Namespace) -> dict:
+    """Flags first, then the profile, then the old defaults; says what it rests on."""
+    given = {k: getattr(args, k) for k in DEFAULT_CAPACITIES if getattr(args, k) is not None}
+    if not args.profile:
+        return DEFAULT_CAPACITIES | given
+    from services.planner.capacity import capacities
+    from services.profiler.costmodel import load_profile
+    from services.profiler.signature import mismatch_report, named_gpu
+
+    profile = load_profile(args.profile)
+    cap = capacities(profile, args.context_tokens, DEFAULT_MAX_SEQS)
+    print(f"planner: {cap.describe()}", file=sys.stderr)
+    if args.fleet_hardware:
+        tp = int(profile.meta.get("gpus_per_replica", 1))
+        check = mismatch_report(
+            profile.meta,
+            named_gpu(args.fleet_hardware, tp),
+            f"the fleet's {args.fleet_hardware}",
+            True,
+        )
+        for warning in check["warnings"]:
+            print(f"planner: WARNING: {warning}", file=sys.stderr)
+    else:
+        print(
+            "planner: no --fleet-hardware: the profile is not checked against the hardware the "
+            "replicas run on",
+            file=sys.stderr,
+        )
+    from_profile = {
+        "prefill_tokens_per_s": cap.prefill_tokens_per_s,
+        "decode_tokens_per_s": cap.decode_tokens_per_s,
+        "decode_seqs": cap.decode_seqs,
+    }
+    return from_profile | given
 
 
 def _number(text: str) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from services.commands.common import WEIGHT_FORMATS, fail, positive_float, positive_int
+from services.profiler.hardware_specs import GPUS, LINKS
 from shared.config import engine_defaults as defaults
 
 ROUTERS = ("least_loaded", "round_robin", "prefix_only", "kv_aware")
@@ -18,8 +19,8 @@ def add_commands(sub) -> None:
     prof.add_argument(
         "--weights",
         default=None,
-        choices=WEIGHT_FORMATS,
-        help="default: what `splitserve up` serves (the deployment config's default)",
+        help=f"measured: one of {', '.join(WEIGHT_FORMATS)} (default: what `splitserve up` "
+        "serves); --analytic --gpu: bf16, fp8 or int4 (default bf16)",
     )
     prof.add_argument(
         "--threads", type=positive_int, default=1, help="torch threads (a local replica's: 1)"
@@ -31,6 +32,28 @@ def add_commands(sub) -> None:
         default=defaults.KV_CACHE_BYTES,
         help="a replica's KV cache (its prefix-cache size in the simulator)",
     )
+    prof.add_argument(
+        "--analytic",
+        action="store_true",
+        help="derive the profile from a roofline instead of measuring (with --gpu or --cpu)",
+    )
+    prof.add_argument("--gpu", default=None, choices=sorted(GPUS), help="with --analytic")
+    prof.add_argument(
+        "--cpu",
+        action="store_true",
+        help="with --analytic: this CPU's measured peaks, efficiency calibrated against a "
+        "measured profile of this machine (--measured, default: this machine's cached one)",
+    )
+    prof.add_argument("--measured", default=None, metavar="PROFILE", help="with --cpu")
+    prof.add_argument("--tp", type=positive_int, default=1, help="GPUs per replica (--gpu)")
+    prof.add_argument(
+        "--interconnect",
+        default="ib400",
+        choices=sorted(LINKS),
+        help="what a KV push between replicas crosses (--gpu)",
+    )
+    prof.add_argument("--compute-efficiency", type=_fraction, default=None, metavar="F")
+    prof.add_argument("--memory-efficiency", type=_fraction, default=None, metavar="F")
     prof.set_defaults(handler=run_profile_cmd)
 
     tune = sub.add_parser(
@@ -83,6 +106,30 @@ def add_commands(sub) -> None:
         help="also replay a short slice on a live local stack and report the sim's error",
     )
     tune.add_argument("--validate-requests", type=positive_int, default=30)
+    tune.add_argument(
+        "--colocated",
+        type=_colocation,
+        default=None,
+        metavar="P,D",
+        help="prefill and decode replicas share hosts: a prefill step runs P times slower "
+        "while decode is busy, a decode step D times while prefill is (the live check measures "
+        "about 2,1.4 on a 2-core machine); charged in proportion to the neighbour's utilization",
+    )
+    tune.add_argument(
+        "--fleet-hardware",
+        default=None,
+        choices=sorted(GPUS),
+        help="the GPU the fleet will run on: the profile is checked against it (default: "
+        "against this machine)",
+    )
+    tune.add_argument(
+        "--gpu-hour-usd",
+        type=positive_float,
+        default=None,
+        metavar="USD",
+        help="price per GPU-hour (per replica-hour for CPU profiles) for cost per million "
+        "tokens (default: the shipped list price for the profile's GPU, if any)",
+    )
     tune.add_argument("--json", default=None, metavar="OUT")
     tune.set_defaults(handler=run_tune_cmd)
 
@@ -103,6 +150,17 @@ def add_bench(kinds) -> None:
 
 
 def run_profile_cmd(args: argparse.Namespace) -> int:
+    if args.analytic:
+        from services.profiler.analytic_cli import run_analytic
+
+        try:
+            return run_analytic(args)
+        except ValueError as exc:  # ProfileError, ModelFileError: the message says where
+            return fail(str(exc))
+    if args.gpu or args.cpu:
+        return fail("--gpu and --cpu describe an analytic profile: add --analytic")
+    if args.weights is not None and args.weights not in WEIGHT_FORMATS:
+        return fail(f"--weights {args.weights!r}: choose from {', '.join(WEIGHT_FORMATS)}")
     from services.profiler.run import run_profile
 
     weights = args.weights
@@ -182,6 +240,25 @@ def _non_negative_int(text: str) -> int:
     value = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _colocation(text: str):
+    from services.tuner.colocation import Colocation
+
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PREFILL,DECODE slowdowns")
+    try:
+        return Colocation(_number(parts[0], float), _number(parts[1], float))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fraction(text: str) -> float:
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
     return value
 
 

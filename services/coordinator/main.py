@@ -25,6 +25,7 @@ from shared.config.policy import ApiKeyEntry
 from shared.config.schema import ConfigError, DeploymentConfig
 from shared.modelfile.default import default_model_path
 from shared.modelfile.gguf_meta import read_gguf_config
+from shared.modelfile.hf_config import read_hf_config
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.rpc.auth import InternalAuth
 from shared.telemetry.tracing import Tracing
@@ -37,14 +38,14 @@ def model_infos(config: DeploymentConfig) -> list[ModelInfo]:
     infos = []
     for m in config.models:
         path = m.path or default_model_path()
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ConfigError(
-                f"models[{m.id}].path: the coordinator needs a GGUF file (it reads the tokenizer "
-                "from it); Hugging Face folders are served by the engine CLI only"
+                f"models[{m.id}].path: the coordinator tokenizes for the model: a Hugging Face "
+                "folder needs its tokenizer.json"
             )
-        model_cfg = read_gguf_config(path)
+        model_cfg = read_hf_config(path) if os.path.isdir(path) else read_gguf_config(path)
         context = min(m.max_model_len or model_cfg.max_position, model_cfg.max_position)
-        tokenizer = Tokenizer.from_gguf(path)
+        tokenizer = Tokenizer.from_model_path(path)
         infos.append(
             ModelInfo(
                 id=m.id,

@@ -39,13 +39,36 @@ class DecodeModel:
     seq_ms: float
     ctx_ms: float
     ctx2_ms: float = 0.0  # per squared token: the batch's KV outgrowing the CPU caches
+    # Mixture of experts: reading every routed expert once costs `experts_ms`; a batch of B
+    # reads the fraction 1 - (1 - k/E)^B of them that its tokens touch (uniform routing).
+    experts_ms: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
 
     def step(self, batch: int, context_sum: float) -> float:
-        return (
+        ms = (
             self.base_ms
             + self.seq_ms * batch
             + (self.ctx_ms + self.ctx2_ms * context_sum) * context_sum
         )
+        if self.experts_ms:
+            ms += self.experts_ms * touched_fraction(self.experts, self.experts_per_token, batch)
+        return ms
+
+    def scaled(self, factor: float) -> DecodeModel:
+        return replace(
+            self,
+            base_ms=self.base_ms * factor,
+            seq_ms=self.seq_ms * factor,
+            ctx_ms=self.ctx_ms * factor,
+            ctx2_ms=self.ctx2_ms * factor,
+            experts_ms=self.experts_ms * factor,
+        )
+
+
+def touched_fraction(experts: int, per_token: int, tokens: float) -> float:
+    """The expected fraction of E experts that n tokens routing to k each touch."""
+    return 1.0 - (1.0 - per_token / experts) ** tokens
 
 
 @dataclass(frozen=True)
@@ -83,18 +106,13 @@ class ReplicaProfile:
         self, prefill_factor: float, decode_factor: float, serving_overhead_ms: float
     ) -> ReplicaProfile:
         """The same shapes at another speed (a replica with more or less of the CPU)."""
-        p, d = self.prefill, self.decode
+        p = self.prefill
         return replace(
             self,
             prefill=PrefillModel(
                 p.step_ms * prefill_factor, p.token_ms * prefill_factor, p.attn_ms * prefill_factor
             ),
-            decode=DecodeModel(
-                d.base_ms * decode_factor,
-                d.seq_ms * decode_factor,
-                d.ctx_ms * decode_factor,
-                d.ctx2_ms * decode_factor,
-            ),
+            decode=self.decode.scaled(decode_factor),
             serving_overhead_ms=serving_overhead_ms,
         )
 
@@ -144,7 +162,10 @@ class ReplicaProfile:
                     raise ProfileError(f"{origin}: {group}.{name} is negative ({value})")
         if self.prefill.token_ms <= 0 and self.prefill.step_ms <= 0:
             raise ProfileError(f"{origin}: prefill costs nothing (all coefficients zero)")
-        if self.decode.base_ms + self.decode.seq_ms <= 0:
+        d = self.decode
+        if d.experts_ms and not 0 < d.experts_per_token <= d.experts:
+            raise ProfileError(f"{origin}: decode.experts_per_token must be in 1..experts")
+        if d.base_ms + d.seq_ms + d.experts_ms <= 0:
             raise ProfileError(f"{origin}: a decode step costs nothing")
 
 

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.profiler.costmodel import DecodeModel, PrefillModel, TransferModel, chunk_plan
+from services.profiler.costmodel import (
+    DecodeModel,
+    PrefillModel,
+    TransferModel,
+    chunk_plan,
+    touched_fraction,
+)
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,20 @@ def fit_prefill(points: Sequence[PrefillPoint], chunk_tokens: int) -> tuple[Pref
     return PrefillModel(*fit.coefficients), fit.max_rel_error
 
 
-def fit_decode(points: Sequence[DecodePoint]) -> tuple[DecodeModel, float]:
-    rows = [(1.0, p.batch, p.batch * p.context, float(p.batch * p.context) ** 2) for p in points]
+def fit_decode(
+    points: Sequence[DecodePoint], experts: int = 0, experts_per_token: int = 0
+) -> tuple[DecodeModel, float]:
+    """With `experts`, one more feature: the fraction of experts a batch touches (MoE)."""
+    rows = [
+        (1.0, p.batch, p.batch * p.context, float(p.batch * p.context) ** 2)
+        + ((touched_fraction(experts, experts_per_token, p.batch),) if experts else ())
+        for p in points
+    ]
     fit = _fit(np.array(rows, dtype=float), np.array([p.ms for p in points]))
-    return DecodeModel(*fit.coefficients), fit.max_rel_error
+    base, seq, ctx, ctx2, *moe = fit.coefficients
+    if not moe:
+        return DecodeModel(base, seq, ctx, ctx2), fit.max_rel_error
+    return DecodeModel(base, seq, ctx, ctx2, moe[0], experts, experts_per_token), fit.max_rel_error
 
 
 def fit_transfer(points: Sequence[TransferPoint]) -> tuple[TransferModel, float]:

@@ -7,10 +7,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from services.profiler.costmodel import ReplicaProfile
 from services.profiler.fit import fit_decode, fit_prefill, fit_transfer
 from services.profiler.measure import measure_decode, measure_prefill, measure_transfer
+from services.profiler.model_shape import ModelShape
+from services.profiler.signature import cpu_here
 from shared.config import engine_defaults as defaults
 
 
@@ -61,6 +64,7 @@ def run_profile(
     # What `splitserve up` gives a replica unless configured otherwise.
     kv_cache_bytes: int = defaults.KV_CACHE_BYTES,
     chunk_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS,
+    kv_cache_dtype: str = defaults.KV_CACHE_DTYPE,
     progress: Callable[[str], None] = _stderr,
 ) -> ReplicaProfile:
     import torch
@@ -68,17 +72,30 @@ def run_profile(
     from services.bench.report import machine_info
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
+    from shared.engine.model_setup import load_serving_model
+    from shared.kvcache.kv_dtype import resolve_kv_dtype
     from shared.model.llama import LlamaModel
     from shared.model.loader import read_checkpoint
+    from shared.modelfile.default import default_model_path
 
     grid = QUICK if quick else FULL
     started = time.perf_counter()
     load_before = os.getloadavg()
     torch.set_num_threads(threads)
-    checkpoint = read_checkpoint(model_path)
-    model = LlamaModel(checkpoint, weights=weights)
-    progress(f"model {checkpoint.source} loaded ({weights}, {threads} threads)")
-    layout = model.kv_layout(16)
+    source = model_path or default_model_path()
+    if weights == "auto":
+        # What a replica serves: the formats measured fastest on this machine for each path.
+        model, _ = load_serving_model(source, "auto", threads=threads)
+        timed = f"auto: prefill={model.weights} decode={model.decode_weights}"
+    else:
+        model = LlamaModel(read_checkpoint(source), weights=weights)  # type: ignore[arg-type]
+        timed = weights
+    shape = ModelShape.from_config(model.config, Path(source).stem)
+    progress(f"model {source} loaded ({timed}, {threads} threads)")
+    # The KV element type a replica serves with (`auto`: fp16 where this CPU converts it).
+    kv_dtype, _ = resolve_kv_dtype(kv_cache_dtype)
+    kv_name = str(kv_dtype).removeprefix("torch.")
+    layout = model.kv_layout(16, kv_dtype)
     kv_bytes_per_token = layout.block_bytes // layout.block_size
     # One engine for every measurement, sized for the largest decode batch.
     room = max(grid.decode_batches) * (max(grid.decode_contexts) + 64) + 4 * max(
@@ -91,6 +108,7 @@ def run_profile(
             max_num_seqs=max(64, max(grid.decode_batches)),
             max_num_batched_tokens=chunk_tokens,
             num_threads=threads,
+            kv_cache_dtype=kv_name,  # type: ignore[arg-type]
         ),
         model=model,
     )
@@ -105,7 +123,10 @@ def run_profile(
     decode, decode_err = fit_decode(decode_points)
     transfer, transfer_err = fit_transfer(transfer_points)
     meta = {
-        "model": checkpoint.source,
+        "kind": "measured",
+        "signature": cpu_here(threads, timed, shape, kv_name).to_dict(),
+        "kv_cache_dtype": kv_name,
+        "model": source,
         "weights": weights,
         "threads": threads,
         "quick": quick,

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from services.profiler.costmodel import ReplicaProfile
+from services.tuner.basis import profile_basis
 from services.tuner.cli_run import load_profile_or_default, profile_summary
 from services.tuner.fleet import FleetConfig
 from services.tuner.report import tune_json
@@ -32,6 +33,7 @@ ITL_SLO_FACTOR = 4.0
 MAX_REPLICAS = 48
 RPS_TARGET = 1700.0
 ERROR_TARGET = 0.2
+ANALYTIC_ERROR_TARGET = 0.25
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,11 @@ def run_bench(
 ) -> int:
     from services.bench.report import machine_info, print_table, save_outputs
 
-    profile, used_path = load_profile_or_default(profile_path)
+    profile, used_path, source = _bench_profile(profile_path, live)
     load_before = os.getloadavg()
     report: dict = {
-        "profile": profile_summary(profile, used_path),
+        "profile": profile_summary(profile, used_path) | {"source": source},
+        "profile_check": profile_basis(profile, None)["check"],
         "targets": {"requests_per_s_simulated": RPS_TARGET, "sim_vs_live_p50_error": ERROR_TARGET},
         "traces": {},
     }
@@ -110,6 +113,7 @@ def run_bench(
         }
     if live:
         _live(report, originals, profile, live_requests)
+    report.update(_analytic_vs_measured(profile))
     report["machine"] = machine_info()
     report["loadavg_before_after"] = [load_before, os.getloadavg()]
     rows = []
@@ -126,9 +130,41 @@ def run_bench(
         for k in ("ttft", "itl"):
             err = r[f"sim_vs_live_{k}_p50_error"]
             rows.append((f"{key} sim vs live {k} p50 err", err, ERROR_TARGET, None))
+    err = report.get("analytic_vs_measured_error")
+    rows.append(("analytic vs measured step time err", err, ANALYTIC_ERROR_TARGET, None))
     print_table("splitserve bench tune (ours vs target)", rows)
     save_outputs("tune", report, json_path, plot_dir)
     return 0
+
+
+def _bench_profile(path: str | None, live: bool) -> tuple[ReplicaProfile, str, str]:
+    """The profile to simulate: the one asked for; for a live check without one, a profile
+    of this machine (cached per signature, else measured now: the check is about this
+    machine, so a foreign profile would make it about another); else the shipped one."""
+    if path is None and live:
+        from services.profiler.local import profile_of_this_machine
+
+        profile, stored, cached = profile_of_this_machine("auto", threads=1, quick=True)
+        return profile, stored, "this machine, " + ("cached" if cached else "measured now")
+    profile, used = load_profile_or_default(path)
+    return profile, used, "given" if path else "shipped"
+
+
+def _analytic_vs_measured(profile: ReplicaProfile) -> dict:
+    """The calibrated analytic CPU model's leave-one-out error on the profile's own points."""
+    from services.profiler.analytic_cpu import calibrate, measure_peaks
+    from services.profiler.model_shape import read_model_shape
+    from shared.modelfile.default import default_model_path
+
+    if profile.meta.get("kind", "measured") != "measured" or not profile.measurements:
+        return {"analytic_vs_measured_error": None}
+    model = profile.meta.get("model")
+    shape = read_model_shape(model if model and Path(model).exists() else default_model_path())
+    calibration = calibrate(shape, profile, measure_peaks(int(profile.meta.get("threads", 1))))
+    return {
+        "analytic_vs_measured_error": calibration.error,
+        "analytic_vs_measured": calibration.report(),
+    }
 
 
 def _live(report: dict, originals: dict, profile: ReplicaProfile, count: int) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.profiler.costmodel import ReplicaProfile, load_profile
+from services.tuner.basis import fleet_cost, profile_basis
+from services.tuner.colocation import Colocation
 from services.tuner.fleet import TIER_PRIORITY, FleetConfig, RouterPolicy, assign_priorities
 from services.tuner.report import print_report, tune_json
 from services.tuner.search import Evaluator, tune
@@ -33,6 +35,8 @@ def profile_summary(profile: ReplicaProfile, path: str) -> dict:
     return {
         "path": path,
         "measured_at": meta.get("machine", {}).get("measured_at"),
+        "kind": meta.get("kind", "measured"),
+        "signature": meta.get("signature"),
         "weights": meta.get("weights"),
         "threads": meta.get("threads"),
         "prefill_ms_1k_tokens": profile.prefill_ms(1024),
@@ -58,6 +62,9 @@ class TuneOptions:
     validate: bool
     validate_requests: int
     json: str | None
+    fleet_hardware: str | None = None
+    gpu_hour_usd: float | None = None
+    colocation: Colocation | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TuneOptions:
@@ -85,6 +92,9 @@ class TuneOptions:
             validate=args.validate,
             validate_requests=args.validate_requests,
             json=args.json,
+            fleet_hardware=args.fleet_hardware,
+            gpu_hour_usd=args.gpu_hour_usd,
+            colocation=args.colocated,
         )
 
 
@@ -106,6 +116,7 @@ def run_tune(options: TuneOptions) -> int:
     from services.bench.report import write_json
 
     profile, profile_path = load_profile_or_default(options.profile)
+    basis = profile_basis(profile, options.fleet_hardware)
     original, trace = prepare_trace(
         options.trace, profile, options.time_scale, options.length_scale
     )
@@ -123,11 +134,22 @@ def run_tune(options: TuneOptions) -> int:
         cache_tokens=options.cache_tokens,
         decode_max_batch=options.decode_max_batch,
     )
-    evaluator = Evaluator(trace, profile, options.slo, fleet, priorities, slo_priorities(options))
+    evaluator = Evaluator(
+        trace,
+        profile,
+        options.slo,
+        fleet,
+        priorities,
+        slo_priorities(options),
+        options.colocation,
+    )
     result = tune(evaluator, options.max_replicas)
-    print_report(result, options.model_id)
+    cost = fleet_cost(trace, profile, result.best.replicas, options.gpu_hour_usd)
+    print_report(result, options.model_id, basis, cost)
     report = tune_json(result, options.model_id)
     report.update(
+        basis=basis,
+        cost=cost,
         trace=trace.summary(),
         scaling={
             "time_scale": options.time_scale,

@@ -5,12 +5,21 @@ batch, higher tiers first) and leave after their last token. Between two such ch
 batch is fixed and each step costs a little more than the last (every context grows by one),
 so a whole run of steps is one closed-form jump: the events are joins and leaves, not tokens.
 Inter-token latencies are recorded per run, weighted by the tokens it produced.
+
+The replica holds `kv_capacity` tokens of KV, as the engine's block pool does: a sequence
+joins only when its whole context fits beside the batch's (higher tiers first, in order),
+and when the batch's growth would overflow the pool the least important running sequence
+(lowest tier, latest arrival) is preempted, as the engine's scheduler does in `recompute`
+mode: it waits to rejoin, and rejoining recomputes its prompt and the tokens it had made
+(`recompute_ms`), a stall every sequence in the batch waits through. Between two such
+events the run is still closed form: the pool fills after a computable number of steps.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 
 from services.profiler.costmodel import DecodeModel
 from services.tuner.requests import RequestTable
@@ -57,13 +66,35 @@ class DecodeReplica:
         "_next_event",
         "busy_ms",
         "tokens",
+        "kv_capacity",
+        "recompute_ms",
+        "preemptions",
+        "_leave_at",
+        "_made",
+        "_resumed_at",
+        "_stall",
     )
 
-    def __init__(self, index: int, model: DecodeModel, max_batch: int, table: RequestTable):
+    def __init__(
+        self,
+        index: int,
+        model: DecodeModel,
+        max_batch: int,
+        table: RequestTable,
+        kv_capacity: int | None = None,
+        recompute_ms: Callable[[int], float] | None = None,
+    ):
         self.index = index
         self.model = model
         self.max_batch = max_batch
         self.table = table
+        self.kv_capacity = kv_capacity  # None: unbounded
+        self.recompute_ms = recompute_ms or (lambda tokens: 0.0)
+        self.preemptions = 0
+        self._leave_at: dict[int, int] = {}  # rid -> step_no after which it ends (running)
+        self._made: dict[int, int] = {}  # preempted rid -> decode tokens it had made
+        self._resumed_at: dict[int, float] = {}  # rejoined rid -> when its last token came out
+        self._stall = 0.0  # recompute time the next step waits for
         self.itl = ItlLog()
         self.clock = 0.0  # the last step boundary reached
         self.step_no = 0  # steps taken so far
@@ -105,13 +136,21 @@ class DecodeReplica:
                 self._admit()
                 continue
             b = self.batch
+            leaves = self.leaves
+            while self._leave_at.get(leaves[0][1]) != leaves[0][0]:
+                heapq.heappop(leaves)  # a preempted sequence's old end
+            k = leaves[0][0] - self.step_no
+            if self.kv_capacity is not None and b > 1:
+                room = (self.kv_capacity - self.context_sum) // b  # steps before the pool fills
+                if room <= 0:
+                    self._preempt()
+                    continue
+                k = min(k, room)
             first = model.step(b, self.context_sum)
             growth = model.step(b, self.context_sum + b) - first
-            k_leave = self.leaves[0][0] - self.step_no
-            k = k_leave
             if self.joins and self.batch < self.max_batch:
                 k = min(k, max(1, steps_to_reach(first, growth, self.joins[0][0] - self.clock)))
-            dt = run_ms(k, first, growth)
+            dt = run_ms(k, first, growth) + self._stall
             if self.clock + dt > t:
                 self._next_event = self.clock + dt
                 return
@@ -122,47 +161,91 @@ class DecodeReplica:
     def _run(self, k: int, first: float, growth: float, dt: float) -> None:
         itl = self.itl
         table = self.table
+        stall, self._stall = self._stall, 0.0
         mean = first + growth * (k - 1) * 0.5  # over all k steps
+        later = first + growth * k * 0.5  # over steps 2..k
         newcomers = [0] * TIERS
-        for rid in self._new:  # the gap from the first token (streamed by prefill) to this
+        resumed = self._resumed_at
+        for rid in self._new:  # the gap from its last token (or prefill's first) to this
             tier = table.priority[rid]
-            itl.add(self.clock + first - table.ttft[rid], 1, tier)
+            since = resumed.pop(rid) if rid in resumed else table.ttft[rid]
+            itl.add(self.clock + stall + first - since, 1, tier)
             newcomers[tier] += 1
         self._new = []
         for tier in range(TIERS):
             old = self.per_tier[tier] - newcomers[tier]
-            if old:
+            if old and stall:  # the first step waited for a preempted sequence's recompute
+                itl.add(first + stall, old, tier)
+                if k > 1:
+                    itl.add(later, old * (k - 1), tier)
+            elif old:
                 itl.add(mean, old * k, tier)
             if newcomers[tier] and k > 1:  # a newcomer's later tokens: steps 2..k
-                itl.add(first + growth * k * 0.5, newcomers[tier] * (k - 1), tier)
+                itl.add(later, newcomers[tier] * (k - 1), tier)
         self.clock += dt
         self.busy_ms += dt
         self.step_no += k
         self.context_sum += self.batch * k
         self.tokens += self.batch * k
 
+    def _context(self, rid: int) -> int:
+        """A running sequence's KV: its prompt, the prefill's token, what it made here."""
+        return self.table.input[rid] + 1 + self.step_no - self._joined_at[rid]
+
+    def _remove(self, rid: int) -> None:
+        self.context_sum -= self._context(rid)
+        del self._joined_at[rid]
+        del self._leave_at[rid]
+        self.batch -= 1
+        self.per_tier[self.table.priority[rid]] -= 1
+
     def _leave(self) -> None:
         leaves = self.leaves
         table = self.table
-        while leaves and leaves[0][0] == self.step_no:
-            _, rid = heapq.heappop(leaves)
+        while leaves and leaves[0][0] <= self.step_no:
+            at, rid = heapq.heappop(leaves)
+            if self._leave_at.get(rid) != at:  # preempted since: a stale entry
+                continue
             table.finish[rid] = self.clock
-            self.batch -= 1
             self.assigned -= 1
-            self.per_tier[table.priority[rid]] -= 1
-            self.context_sum -= table.input[rid] + 1 + self.step_no - self._joined_at.pop(rid)
+            self._remove(rid)
+
+    def _preempt(self) -> None:
+        """Free the least important running sequence's KV; it waits to rejoin."""
+        table = self.table
+        victim = max(self._joined_at, key=lambda r: (table.priority[r], table.arrival[r]))
+        made = self.step_no - self._joined_at[victim]
+        self._remove(victim)
+        self._made[victim] = made
+        if victim in self._new:  # joined at this boundary: no token since prefill's first
+            self._new.remove(victim)
+        else:
+            self._resumed_at[victim] = self.clock
+        self.preemptions += 1
+        heapq.heappush(self.ready, (table.priority[victim], table.arrival[victim], victim))
 
     def _admit(self) -> None:
         joins, ready, table = self.joins, self.ready, self.table
         while joins and joins[0][0] <= self.clock:
             at, rid = heapq.heappop(joins)
             heapq.heappush(ready, (table.priority[rid], at, rid))
+        capacity = self.kv_capacity
         while ready and self.batch < self.max_batch:
-            _, _, rid = heapq.heappop(ready)
-            remaining = table.output[rid] - 1  # the first token came from the prefill replica
-            heapq.heappush(self.leaves, (self.step_no + remaining, rid))
-            self._joined_at[rid] = self.step_no
+            rid = ready[0][2]
+            made = self._made.get(rid, 0)
+            need = table.input[rid] + 1 + made
+            if capacity is not None and self.batch and self.context_sum + need > capacity:
+                return  # in order: the next sequence waits for room
+            heapq.heappop(ready)
+            if rid in self._made:  # preempted: its KV is recomputed before the next step
+                self._stall += self.recompute_ms(need)
+                del self._made[rid]
+            remaining = table.output[rid] - 1 - made  # the prefill replica made the first
+            leave = self.step_no + remaining
+            heapq.heappush(self.leaves, (leave, rid))
+            self._leave_at[rid] = leave
+            self._joined_at[rid] = self.step_no - made  # so _context counts what it made
             self.batch += 1
             self.per_tier[table.priority[rid]] += 1
-            self.context_sum += table.input[rid] + 1
+            self.context_sum += need
             self._new.append(rid)

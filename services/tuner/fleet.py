@@ -26,6 +26,9 @@ class FleetConfig:
     host_cache_tokens: int = 0  # per prefill replica: device evictions spill here
     decode_max_batch: int = 64  # sequences one decode replica runs at once (max_num_seqs)
     handoff_ms: float = 0.0  # first token out -> the sequence may join a decode step
+    # Decode replicas hold the profile's `kv_capacity_tokens` of KV (joins wait for room,
+    # growth preempts); True lifts the limit (the old model: only decode_max_batch caps).
+    unbounded_decode_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_replicas < 1 or self.decode_replicas < 1:

@@ -5,7 +5,9 @@ admits waiting ones in (priority, arrival) order, as `shared.engine.scheduler` d
 comes from the profile's prefill model. While one long prompt has the budget to itself for
 many steps nothing can change them, so those steps are taken in one jump (closed form).
 A finished prompt's KV is pushed to its decode replica; its first token is out once the
-push completes (what the coordinator streams as the first token).
+push completes (what the coordinator streams as the first token). A replica's pushes share
+its link: bytes go out one push after another at the link's bandwidth (what concurrent
+pushes sharing it fairly add up to for the last of them), each push's fixed latency beside.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class PrefillReplica:
         "queued_tokens",
         "in_flight",
         "_pushing",
+        "_link_free",
         "busy_ms",
         "served",
     )
@@ -68,6 +71,7 @@ class PrefillReplica:
         self.queued_tokens = 0  # prompt tokens not yet computed, running and waiting
         self.in_flight = 0  # routed here and first token not out yet (as the coordinator counts)
         self._pushing: list[float] = []  # heap: when each finished prompt's KV push completes
+        self._link_free = 0.0  # when the bytes of every push so far have left
         self.busy_ms = 0.0
         self.served = 0
 
@@ -160,7 +164,9 @@ class PrefillReplica:
         table = self.table
         end = self.clock
         table.prefill_end[rid] = end
-        push = self.transfer.ms(table.input[rid] * self.kv_bytes_per_token)
-        first_token = end + push + self.overhead_ms
+        transfer = self.transfer
+        start = max(end, self._link_free)
+        self._link_free = start + table.input[rid] * self.kv_bytes_per_token / (transfer.gb_s * 1e6)
+        first_token = self._link_free + transfer.latency_ms + self.overhead_ms
         heapq.heappush(self._pushing, first_token)
         self.on_first_token(rid, first_token)

@@ -54,9 +54,15 @@ def tune_json(result: TuneResult, model_id: str) -> dict:
     }
 
 
-def print_report(result: TuneResult, model_id: str) -> None:
+def print_report(
+    result: TuneResult, model_id: str, basis: dict | None = None, cost: dict | None = None
+) -> None:
     best = result.best
     print(f"\nsplitserve tune: SLO {result.slo.describe()}")
+    if basis is not None:
+        print(f"rests on: {basis['description']}")
+        if not basis["check"]["matches"]:
+            print(f"  (differs from {basis['check']['against']}: see the warning above)")
     print(f"{'prefill:decode':>15} {'ttft_p99_ms':>12} {'itl_p99_ms':>11} {'vs SLO':>7}")
     for e in result.evaluations:
         mark = "  <- recommended" if e is best and result.meets_slo else ""
@@ -67,6 +73,12 @@ def print_report(result: TuneResult, model_id: str) -> None:
             f"{_fmt(e.latency.get('itl_p99_ms')):>11} {e.violation:>6.2f}x{mark}"
         )
     print(f"\n{result.message}")
+    if cost is not None:
+        print(
+            f"cost: {cost['gpus']} GPUs at ${cost['usd_per_gpu_hour']:.2f}/GPU-hour "
+            f"({cost['price_source']}): ${cost['usd_per_million_tokens']:.4f} per million "
+            f"tokens, ${cost['usd_per_million_output_tokens']:.4f} per million output tokens"
+        )
     print(
         f"simulated {result.requests_simulated:,} requests in {result.sim_wall_s:.1f} s "
         f"({result.requests_per_s_simulated:,.0f} requests/s)"

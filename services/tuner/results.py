@@ -46,6 +46,7 @@ class SimResult:
     decode_tokens: list[int]
     decode_steps: list[int]
     wall_s: float
+    decode_preemptions: int = 0  # sequences whose KV a full decode replica freed
 
     @property
     def requests(self) -> int:
@@ -96,6 +97,7 @@ class SimResult:
             "decode_utilization": float(dbusy.mean() / span) if span else 0.0,
             "prefill_imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
             "mean_decode_batch": sum(self.decode_tokens) / max(1, sum(self.decode_steps)),
+            "decode_preemptions": self.decode_preemptions,
             "sim_wall_s": self.wall_s,
             "requests_per_s_simulated": self.requests_per_s_simulated,
         }

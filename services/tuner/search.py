@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from services.profiler.costmodel import ReplicaProfile
+from services.tuner.colocation import Colocation, simulate_colocated
 from services.tuner.fleet import FleetConfig
 from services.tuner.simulator import simulate
 from services.tuner.slo import SLO
@@ -61,6 +62,7 @@ class Evaluator:
     fleet: FleetConfig  # router, cache, batch limits; its replica counts are replaced
     priorities: np.ndarray | None = None
     slo_tiers: list[int] | None = None  # None: every request counts
+    colocation: Colocation | None = None  # replicas sharing hosts slow each other
     log: Log = _stderr
     cache: dict[tuple[int, int], Evaluation] = field(default_factory=dict)
     requests_simulated: int = 0
@@ -71,9 +73,13 @@ class Evaluator:
         if key in self.cache:
             return self.cache[key]
         fleet = replace(self.fleet, prefill_replicas=prefill, decode_replicas=decode)
-        result = simulate(
-            self.trace, self.profile, fleet, self.priorities, self._progress(fleet.ratio)
-        )
+        progress = self._progress(fleet.ratio)
+        if self.colocation is None:
+            result = simulate(self.trace, self.profile, fleet, self.priorities, progress)
+        else:
+            result, _ = simulate_colocated(
+                self.trace, self.profile, fleet, self.colocation, self.priorities, progress
+            )
         self.requests_simulated += result.requests
         self.wall_s += result.wall_s
         latency = result.latency(self.slo_tiers)

@@ -65,8 +65,18 @@ def simulate(
         priorities = assign_priorities(n, None)
     table = RequestTable(trace, priorities)
     chunk = fleet.chunk_tokens or profile.chunk_tokens
+    decode_kv = None if fleet.unbounded_decode_kv else profile.kv_capacity_tokens
     decodes = [
-        DecodeReplica(i, profile.decode, fleet.decode_max_batch, table)
+        DecodeReplica(
+            i,
+            profile.decode,
+            fleet.decode_max_batch,
+            table,
+            decode_kv,
+            # A preempted sequence's KV is recomputed as a prompt of its context on this
+            # hardware (the engine's `recompute` preemption mode).
+            profile.prefill_ms,
+        )
         for i in range(fleet.decode_replicas)
     ]
     handoff = fleet.handoff_ms
@@ -177,4 +187,5 @@ def _result(
         decode_tokens=[d.tokens for d in decodes],
         decode_steps=[d.step_no for d in decodes],
         wall_s=wall_s,
+        decode_preemptions=sum(d.preemptions for d in decodes),
     )

@@ -30,6 +30,7 @@ import numpy as np
 from services.bench.load import RequestTiming, summarize
 from services.profiler.costmodel import ReplicaProfile
 from services.tuner.calibrate import Anchoring, anchor, probe
+from services.tuner.colocation import Colocation, simulate_colocated
 from services.tuner.fleet import FleetConfig
 from services.tuner.results import SimResult
 from services.tuner.simulator import simulate
@@ -175,24 +176,12 @@ def simulate_anchored(
     router_config: RouterConfig | None = None,
 ) -> tuple[SimResult, dict[str, float]]:
     """The simulation on the anchored profile, each replica slowed in proportion to how busy
-    the other kind is in the simulation (they share this machine's cores; see `calibrate`).
-    Busier replicas slow each other more, which keeps them busy longer: a few rounds settle
-    it. Returns the result and the slowdown factors it settled on."""
-    base = anchoring.profile
-    factors = {"prefill_factor": 1.0, "decode_factor": 1.0}
-    for _ in range(4):
-        profile = base.rescaled(
-            factors["prefill_factor"], factors["decode_factor"], base.serving_overhead_ms
-        )
-        result = simulate(trace, profile, fleet, router_config=router_config)
-        used = factors
-        summary = result.summary()
-        busy_p, busy_d = summary["prefill_utilization"], summary["decode_utilization"]
-        factors = {
-            "prefill_factor": 1.0 + busy_d * (anchoring.busy_prefill_slowdown - 1.0),
-            "decode_factor": 1.0 + busy_p * (anchoring.busy_decode_slowdown - 1.0),
-        }
-    return result, used
+    the other kind is (they share this machine's cores: `colocation`). Returns the result
+    and the slowdown factors it settled on."""
+    colocation = Colocation(anchoring.busy_prefill_slowdown, anchoring.busy_decode_slowdown)
+    return simulate_colocated(
+        trace, anchoring.profile, fleet, colocation, router_config=router_config
+    )
 
 
 def compare_anchored(sl: LiveSlice, timings: list[RequestTiming], anchoring: Anchoring) -> dict:

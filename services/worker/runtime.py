@@ -100,11 +100,16 @@ class WorkerRuntime:
             ngram_max=spec.ngram_max,
             ngram_min=spec.ngram_min,
         )
-        self.tokenizer = Tokenizer.from_gguf(path) if path.endswith(".gguf") else None
+        # A folder without tokenizer.json (tests' tiny models) serves token ids only.
+        has_tokenizer = path.endswith(".gguf") or os.path.isfile(
+            os.path.join(path, "tokenizer.json")
+        )
+        self.tokenizer = Tokenizer.from_model_path(path) if has_tokenizer else None
         # A cheaper build serves only if it passed the quality gate against fp32; `auto`
         # measures the eligible formats on this machine and serves the fastest per path.
+        kv_dtype, kv_why = resolve_kv_dtype(worker.kv_cache_dtype)
         model, self.format_choice = load_serving_model(
-            self.model_cfg.path, self.model_cfg.weights, threads=threads
+            self.model_cfg.path, self.model_cfg.weights, threads=threads, kv_dtype=kv_dtype
         )
         memory = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in model.memory_bytes().items())
         log.info(
@@ -117,8 +122,7 @@ class WorkerRuntime:
             worker.kv_cache_bytes // 2**20,
             worker.host_cache_bytes // 2**20,
         )
-        kv_dtype, why = resolve_kv_dtype(worker.kv_cache_dtype)
-        log.info("%s KV cache %s", self.worker_id, why)
+        log.info("%s KV cache %s", self.worker_id, kv_why)
         layout = model.kv_layout(config.block_size, kv_dtype)
         num_blocks = worker.kv_cache_bytes // layout.block_bytes
         self.transfer_kind = config.transfer.backend

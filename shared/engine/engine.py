@@ -51,7 +51,11 @@ class Engine:
         self.format_choice = None
         if model is None:
             model, self.format_choice = load_serving_model(
-                config.model, config.weights, config.device, config.num_threads
+                config.model,
+                config.weights,
+                config.device,
+                config.num_threads,
+                resolve_kv_dtype(config.kv_cache_dtype, config.device)[0],
             )
         self.model = model
         self.tokenizer = tokenizer
@@ -94,6 +98,8 @@ class Engine:
             host_kv_tier=host,
             pool=self.pool,
             event_sink=event_sink,
+            # Only where every layer slides can old blocks go: a global layer reads them all.
+            window_tokens=model_cfg.max_window,
         )
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
@@ -353,6 +359,7 @@ class Engine:
                 continue  # settled by _settle_verified once the accepted length is known
             seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_full_blocks(seq.table, seq.token_ids[: seq.num_computed_tokens])
+            self._release_outside_window(seq)
         if result.verified is not None:
             logprobs = result.verified_logprobs or {}
             for row, (item, done) in enumerate(zip(result.sampled, result.verified, strict=True)):
@@ -382,6 +389,13 @@ class Engine:
                 outputs[seq.request_id] = self._append_token(seq, token_ids[row], logprob)
         return list(outputs.values())
 
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Sliding-window models: blocks behind every layer's window go back once the
+        sequence decodes here. Not during its prompt: a prefill replica pushes the whole
+        prompt's blocks, and the receiver registers each as real KV."""
+        if seq.num_computed_tokens > seq.num_prompt_tokens and seq.table is not None:
+            self.blocks.release_outside_window(seq.table, seq.num_computed_tokens)
+
     def _settle_verified(self, item: ScheduledSeq, done: Verified) -> None:
         """Keep the KV of the last token and the accepted drafts; roll back the rest."""
         seq, accepted = item.seq, done.num_accepted
@@ -393,6 +407,7 @@ class Engine:
         if not self.blocks.truncate(seq.table, seq.num_computed_tokens):
             raise RuntimeError(f"{seq.request_id}: rollback of rejected drafts failed")
         self.blocks.commit_full_blocks(seq.table, (seq.token_ids + kept)[: seq.num_computed_tokens])
+        self._release_outside_window(seq)
         # Observers (metrics, traces) see the tokens whose KV was kept.
         item.num_tokens, item.num_draft = 1 + accepted, accepted
         seq.draft = None

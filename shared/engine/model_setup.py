@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from shared.model.formats import FormatChoice, choose
 from shared.model.heap import release_freed_memory
 from shared.model.llama import NATIVE_FORMATS, LlamaModel
@@ -26,7 +28,9 @@ def load_serving_model(
     weights: str,
     device: str = "cpu",
     threads: int | None = None,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> tuple[LlamaModel, FormatChoice | None]:
+    """`kv_dtype`: the pool the model will read (`auto` times each format over it)."""
     model_path = str(path) if path is not None else default_model_path()
     checkpoint = read_checkpoint(model_path)
     if weights != "auto":
@@ -36,9 +40,10 @@ def load_serving_model(
         release_freed_memory()
         return model, None
     eligible, refused = eligible_formats(path)
-    if device != "cpu":
+    if device != "cpu" or not checkpoint.config.is_plain_llama:
+        # The native step is CPU-only and Llama-only: other families time torch formats only.
         eligible = [w for w in eligible if w not in NATIVE_FORMATS]
-    choice = choose(checkpoint, eligible, model_fingerprint(model_path), threads)
+    choice = choose(checkpoint, eligible, model_fingerprint(model_path), threads, kv_dtype)
     log.info("weights auto: %s", choice.describe())
     for fmt, why in refused.items():
         log.info("weights auto: %s not eligible: %s", fmt, why)

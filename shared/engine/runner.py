@@ -149,7 +149,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_lens=[s.num_tokens for s in items],
             context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in items],
-            block_tables=[s.seq.table.block_ids for s in items],
+            block_tables=[s.seq.table.attention_block_ids() for s in items],
             block_size=self.block_size,
             device=self.device,
         )

@@ -15,6 +15,11 @@ Rules worth knowing:
   without changing anything.
 - ``num_cached_tokens`` of an allocation is always below the prompt length: the engine
   needs the last prompt token's logits, so a fully cached prompt recomputes its last block.
+- With a ``window_tokens`` (a model whose every layer attends a sliding window), a table's
+  leading committed blocks that no future query can see are released early
+  (``release_outside_window``): back to the cache, still registered and reusable. Prefix
+  reuse still needs every block from the first one (the router's rule too, so the two
+  agree); a hybrid model (some global layers) passes no window and keeps every block.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from shared.kvcache.pool import KVPool
 from shared.kvcache.stats import PrefixCacheStats
 from shared.kvcache.swap import SwapSpace
 from shared.kvcache.tables import (
+    RELEASED,
     Allocation,
     BlockTable,
     KVIntegrityError,
@@ -54,6 +60,7 @@ class BlockManager:
         pool: KVPool | None = None,
         event_sink: Callable[[KVEvent], None] | None = None,
         event_history: int = 4096,
+        window_tokens: int | None = None,
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -76,7 +83,10 @@ class BlockManager:
                     "do not match "
                     f"the pool's {pool.layout.block_shape}/{pool.layout.dtype}"
                 )
+        if window_tokens is not None and window_tokens <= 0:
+            raise ValueError(f"window_tokens must be positive, got {window_tokens}")
         self.block_size = block_size
+        self.window_tokens = window_tokens
         self.salt = salt
         self.pool = pool
         self.host_kv_tier = host_kv_tier
@@ -225,6 +235,24 @@ class BlockManager:
         table.num_tokens = new_num_tokens
         return True
 
+    def release_outside_window(self, table: BlockTable, next_position: int) -> int:
+        """Release the leading committed blocks that no query at `next_position` or later
+        can see (all keys older than the window); returns how many went back."""
+        self._check_live(table)
+        if self.window_tokens is None:
+            return 0
+        first_visible = max(0, next_position - self.window_tokens + 1) // self.block_size
+        # Committed blocks only (their KV is final and content-addressed), and never the last
+        # live one: the attention kernels index released positions through it.
+        end = min(first_visible, len(table.block_hashes), len(table.block_ids) - 1)
+        released = 0
+        for i in range(table.num_released, end):
+            self._device.release(table.block_ids[i])
+            table.block_ids[i] = RELEASED
+            released += 1
+        table.num_released = max(table.num_released, end)
+        return released
+
     def commit_full_blocks(self, table: BlockTable, token_ids: Sequence[int]) -> list[int]:
         """Register the full blocks of ``token_ids`` (KV already written) for reuse.
 
@@ -260,6 +288,8 @@ class BlockManager:
         self._check_live(table)
         if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(f"truncate to {num_tokens} outside [0, {table.num_tokens}]")
+        if num_tokens // self.block_size < table.num_released:
+            raise ValueError(f"truncate to {num_tokens} cuts into released blocks")
         keep_blocks = _blocks_for(num_tokens, self.block_size)
         keep_full = num_tokens // self.block_size
         released = table.block_ids[keep_blocks:]
@@ -292,7 +322,7 @@ class BlockManager:
         """Release a finished sequence; its committed blocks stay cached for reuse."""
         self._check_live(table)
         # Last block first, so the LRU evicts a prefix's tail before its head.
-        for block_id in reversed(table.block_ids):
+        for block_id in reversed(table.live_block_ids):
             self._device.release(block_id)
         del self._tables[table.table_id]
         table.block_ids.clear()
@@ -306,8 +336,10 @@ class BlockManager:
         self._check_live(table)
         if self._swap is None or self.pool is None:
             raise ValueError("swap_out needs a host tier and a KV pool")
-        data = self.pool.read_blocks(table.block_ids)
-        swapped = self._swap.park(self._new_id(), data, table.num_tokens, table.block_hashes)
+        data = self.pool.read_blocks(table.live_block_ids)
+        swapped = self._swap.park(
+            self._new_id(), data, table.num_tokens, table.block_hashes, table.num_released
+        )
         if swapped is not None:
             self.free(table)
         return swapped
@@ -321,9 +353,10 @@ class BlockManager:
             raise ValueError("swap_in needs a host tier")
         self._swap.check_parked(swapped)
         total = len(swapped.host_slots)
+        skip = swapped.num_released  # released before the swap: they stay released
         hits = {
             i: b
-            for i, h in enumerate(swapped.block_hashes)
+            for i, h in enumerate(swapped.block_hashes[skip:])
             if (b := self._device.lookup(h)) is not None
         }
         if not self._can_take(total, hits):
@@ -331,10 +364,18 @@ class BlockManager:
         block_ids = self._take(total, hits)
         copied = [i for i in range(total) if i not in hits]
         if copied:
-            self._fill(block_ids, copied, self._swap.read(swapped, copied), swapped.block_hashes)
+            data = self._swap.read(swapped, copied)
+            self._fill(block_ids, copied, data, swapped.block_hashes[skip:])
         self._swap.release(swapped)
         hashes = list(swapped.block_hashes)
-        table = BlockTable(self._new_id(), self.block_size, block_ids, swapped.num_tokens, hashes)
+        table = BlockTable(
+            self._new_id(),
+            self.block_size,
+            [RELEASED] * skip + block_ids,
+            swapped.num_tokens,
+            hashes,
+            num_released=skip,
+        )
         self._tables[table.table_id] = table
         return table
 
@@ -392,8 +433,10 @@ class BlockManager:
             if table.table_id != table_id or table.block_size != self.block_size:
                 raise KVIntegrityError(f"table {table} is registered as {table_id}")
             table.check_shape()
-            refs.update(table.block_ids)
+            refs.update(table.live_block_ids)
             for i, block_id in enumerate(table.block_ids):
+                if i < table.num_released:
+                    continue
                 h = self._device.blocks[block_id].hash
                 if h is not None and (i >= len(table.block_hashes) or table.block_hashes[i] != h):
                     raise KVIntegrityError(

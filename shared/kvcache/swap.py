@@ -25,7 +25,12 @@ class SwapSpace:
         return len(self._swapped)
 
     def park(
-        self, swap_id: int, data: torch.Tensor, num_tokens: int, block_hashes: Sequence[int]
+        self,
+        swap_id: int,
+        data: torch.Tensor,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        num_released: int = 0,
     ) -> SwappedBlocks | None:
         """Copy ``data`` (one row per block) into reserved slots; None (no change) if full."""
         slots = self.host_kv_tier.reserve_slots(data.shape[0])
@@ -33,7 +38,9 @@ class SwapSpace:
             return None
         if slots:
             self.host_kv_tier.write_slots(slots, data)
-        swapped = SwappedBlocks(swap_id, tuple(slots), num_tokens, tuple(block_hashes))
+        swapped = SwappedBlocks(
+            swap_id, tuple(slots), num_tokens, tuple(block_hashes), num_released
+        )
         self._swapped[swap_id] = swapped
         return swapped
 

@@ -11,6 +11,10 @@ class KVIntegrityError(AssertionError):
     """A block-manager invariant is broken; only a bug can cause this."""
 
 
+# A table position whose block went back because no layer's window reaches it any more.
+RELEASED = -1
+
+
 @dataclass(eq=False)
 class BlockTable:
     """One sequence's blocks. Owned by the manager's bookkeeping: read it, never mutate it.
@@ -25,6 +29,21 @@ class BlockTable:
     block_ids: list[int]
     num_tokens: int
     block_hashes: list[int] = field(default_factory=list)
+    # Leading positions released (`RELEASED` in block_ids): only in models where every layer
+    # slides, once the window has moved past them. Always committed blocks.
+    num_released: int = 0
+
+    @property
+    def live_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_released :]
+
+    def attention_block_ids(self) -> list[int]:
+        """block_ids for an attention kernel: released positions point at a live block, whose
+        keys there the window masks out anyway (a kernel needs a valid index everywhere)."""
+        if not self.num_released:
+            return self.block_ids
+        live = self.block_ids[self.num_released :]
+        return [live[0]] * self.num_released + live
 
     @property
     def capacity(self) -> int:
@@ -37,8 +56,13 @@ class BlockTable:
             raise KVIntegrityError(f"{self}: capacity below num_tokens")
         if len(self.block_hashes) > self.num_tokens // self.block_size:
             raise KVIntegrityError(f"{self}: more committed blocks than full blocks")
-        if len(set(self.block_ids)) != len(self.block_ids):
+        live = self.live_block_ids
+        if len(set(live)) != len(live) or RELEASED in live:
             raise KVIntegrityError(f"{self}: a block appears twice")
+        if any(b != RELEASED for b in self.block_ids[: self.num_released]):
+            raise KVIntegrityError(f"{self}: a released position still names a block")
+        if self.num_released > len(self.block_hashes) or (live == [] and self.num_released):
+            raise KVIntegrityError(f"{self}: released blocks must be committed, one kept live")
 
     def slot(self, position: int) -> tuple[int, int]:
         """(block id, offset in block) where the KV of token ``position`` lives."""
@@ -97,6 +121,7 @@ class SwappedBlocks:
     """A preempted sequence's whole KV (partial last block included) parked in host slots."""
 
     swap_id: int
-    host_slots: tuple[int, ...]
+    host_slots: tuple[int, ...]  # one per live block, from position num_released on
     num_tokens: int
     block_hashes: tuple[int, ...]
+    num_released: int = 0

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # What a replica config may ask for: one format for both paths, or `auto` (measured).
 SERVING_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "native-a8", "auto")
-CHOOSER_VERSION = 3  # bump when what is measured changes, so old cached choices are redone
+CHOOSER_VERSION = 4  # bump when what is measured changes, so old cached choices are redone
 # Prompt chunks timed: a conversation turn's new tokens (the prefix is cached) and a fresh
 # prompt's chunk. The prompt path's figure is the mean per-token cost of the two, so a format
 # fast only for long chunks does not win the short turns a person mostly waits on.
@@ -79,13 +79,17 @@ class FormatChoice:
 
 
 def _slice(checkpoint: Checkpoint) -> Checkpoint:
-    layers = min(SLICE_LAYERS, checkpoint.config.num_layers)
-    return dataclasses.replace(
-        checkpoint, config=dataclasses.replace(checkpoint.config, num_layers=layers)
+    cfg = checkpoint.config
+    layers = min(SLICE_LAYERS, cfg.num_layers)
+    # Per-layer switches are cut with the layers (a slice of Gemma keeps a sliding layer).
+    moe = cfg.moe and dataclasses.replace(cfg.moe, sparse_layers=cfg.moe.sparse_layers[:layers])
+    config = dataclasses.replace(
+        cfg, num_layers=layers, layer_windows=cfg.layer_windows[:layers], moe=moe
     )
+    return dataclasses.replace(checkpoint, config=config)
 
 
-def _best_of(fn, repeats: int = 3) -> float:
+def best_seconds(fn, repeats: int = 3) -> float:
     fn()  # warm: first calls allocate and (for the native step) start threads
     best = float("inf")
     for _ in range(repeats):
@@ -95,78 +99,111 @@ def _best_of(fn, repeats: int = 3) -> float:
     return best
 
 
-def _time_format(checkpoint: Checkpoint, fmt: ModelFormat, scale: float) -> dict[str, float]:
-    model = LlamaModel(checkpoint, weights=fmt)
-    cfg = checkpoint.config
-    layout = model.kv_layout(16)
-    blocks = (max(PREFILL_CHUNKS) + DECODE_CONTEXT) // 16 + 2
-    pool = KVPool(layout, blocks * max(DECODE_BATCHES))
-    rng = np.random.default_rng(0)
-    table = list(range(blocks))
-
-    def prefill(chunk: int):
-        def run() -> None:
-            ids = torch.from_numpy(rng.integers(100, cfg.vocab_size - 100, chunk))
-            if model.native is not None and model.prefill_native:
-                model.native.forward(
-                    ids.numpy().astype(np.int64),
-                    np.arange(chunk, dtype=np.int32),
-                    np.asarray([table] * chunk, dtype=np.int32),
-                    pool.tensor,
-                    16,
-                )
-            else:
-                meta = AttentionMetadata([chunk], [chunk], [table], 16)
-                model.forward(ids, meta, pool)
-
-        return run
-
-    def decode(batch: int):
-        tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
-
-        def step() -> None:
-            ids = torch.full((batch,), 200, dtype=torch.long)
-            if model.decode_native:
-                assert model.native is not None
-                hidden = model.native.forward(
-                    ids.numpy(),
-                    np.full(batch, DECODE_CONTEXT, dtype=np.int32),
-                    np.asarray(tables, dtype=np.int32),
-                    pool.tensor,
-                    16,
-                )
-            else:
-                meta = AttentionMetadata([1] * batch, [DECODE_CONTEXT + 1] * batch, tables, 16)
-                hidden = model.forward(ids, meta, pool)
-            return hidden
-
-        return step
-
-    head_in = torch.randn(max(DECODE_BATCHES), cfg.hidden_size)
-    result = {
-        f"prefill_{chunk}_ms_per_token": _best_of(prefill(chunk)) * scale * 1e3 / chunk
-        for chunk in PREFILL_CHUNKS
-    }
-    result["prefill_ms_per_token"] = sum(result.values()) / len(PREFILL_CHUNKS)
-    for batch in DECODE_BATCHES:
-        body = _best_of(decode(batch)) * scale
-        head = _best_of(lambda b=batch: model.logits(head_in[:b], decode=True))
-        result[f"decode_b{batch}_ms"] = (body + head) * 1e3
-    return result
+# Every format is timed once per round, rounds after each other, and keeps its best: a burst
+# of other work on a shared machine then slows one round of every format, not every call of
+# one format (a choice measured while a neighbour compiled picked int8 over native-a8 once).
+ROUNDS = 3
 
 
-def measure(checkpoint: Checkpoint, eligible: Sequence[str]) -> FormatChoice:
+class _FormatTimer:
+    """One format's model on the slice, and the calls whose durations decide the choice."""
+
+    def __init__(
+        self, checkpoint: Checkpoint, fmt: ModelFormat, scale: float, kv_dtype: torch.dtype
+    ):
+        model = LlamaModel(checkpoint, weights=fmt)
+        self.scale = scale
+        cfg = checkpoint.config
+        blocks = (max(PREFILL_CHUNKS) + DECODE_CONTEXT) // 16 + 2
+        pool = KVPool(model.kv_layout(16, kv_dtype), blocks * max(DECODE_BATCHES))
+        rng = np.random.default_rng(0)
+        table = list(range(blocks))
+
+        def prefill(chunk: int):
+            def run() -> None:
+                ids = torch.from_numpy(rng.integers(100, cfg.vocab_size - 100, chunk))
+                if model.native is not None and model.prefill_native:
+                    model.native.forward(
+                        ids.numpy().astype(np.int64),
+                        np.arange(chunk, dtype=np.int32),
+                        np.asarray([table] * chunk, dtype=np.int32),
+                        pool.tensor,
+                        16,
+                    )
+                else:
+                    meta = AttentionMetadata([chunk], [chunk], [table], 16)
+                    model.forward(ids, meta, pool)
+
+            return run
+
+        def decode(batch: int):
+            tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
+
+            def step() -> None:
+                ids = torch.full((batch,), 200, dtype=torch.long)
+                if model.decode_native:
+                    assert model.native is not None
+                    model.native.forward(
+                        ids.numpy(),
+                        np.full(batch, DECODE_CONTEXT, dtype=np.int32),
+                        np.asarray(tables, dtype=np.int32),
+                        pool.tensor,
+                        16,
+                    )
+                else:
+                    meta = AttentionMetadata([1] * batch, [DECODE_CONTEXT + 1] * batch, tables, 16)
+                    model.forward(ids, meta, pool)
+
+            return step
+
+        head_in = torch.randn(max(DECODE_BATCHES), cfg.hidden_size)
+        # name -> (call, seconds scaled to the whole model's depth per unit)
+        self.calls: dict[str, tuple] = {}
+        for chunk in PREFILL_CHUNKS:
+            self.calls[f"prefill_{chunk}"] = (prefill(chunk), scale / chunk)
+        for batch in DECODE_BATCHES:
+            self.calls[f"body_b{batch}"] = (decode(batch), scale)
+            self.calls[f"head_b{batch}"] = (
+                lambda b=batch: model.logits(head_in[:b], decode=True),
+                1.0,
+            )
+        for fn, _ in self.calls.values():
+            fn()  # warm: first calls allocate and (for the native step) start threads
+        self.best = {name: float("inf") for name in self.calls}
+
+    def time_round(self) -> None:
+        for name, (fn, _) in self.calls.items():
+            start = time.perf_counter()
+            fn()
+            self.best[name] = min(self.best[name], time.perf_counter() - start)
+
+    def result(self) -> dict[str, float]:
+        ms = {name: self.best[name] * unit * 1e3 for name, (_, unit) in self.calls.items()}
+        out = {f"prefill_{c}_ms_per_token": ms[f"prefill_{c}"] for c in PREFILL_CHUNKS}
+        out["prefill_ms_per_token"] = sum(out.values()) / len(PREFILL_CHUNKS)
+        for batch in DECODE_BATCHES:
+            out[f"decode_b{batch}_ms"] = ms[f"body_b{batch}"] + ms[f"head_b{batch}"]
+        return out
+
+
+def measure(
+    checkpoint: Checkpoint, eligible: Sequence[str], kv_dtype: torch.dtype = torch.float32
+) -> FormatChoice:
     small = _slice(checkpoint)
     scale = checkpoint.config.num_layers / small.config.num_layers
-    timings: dict[str, dict[str, float]] = {}
+    timers: dict[str, _FormatTimer] = {}
     skipped: dict[str, str] = {}
     for fmt in eligible:
         try:
-            timings[fmt] = _time_format(small, fmt, scale)  # type: ignore[arg-type]
+            timers[fmt] = _FormatTimer(small, fmt, scale, kv_dtype)  # type: ignore[arg-type]
         except NativeUnavailable as exc:
             skipped[fmt] = str(exc)
-    if not timings:
+    if not timers:
         raise RuntimeError(f"no weight format could be measured: {skipped}")
+    for _ in range(ROUNDS):
+        for timer in timers.values():
+            timer.time_round()
+    timings = {fmt: timer.result() for fmt, timer in timers.items()}
     prefill, decode = pick(timings)
     return FormatChoice(prefill, decode, timings, False, skipped)
 
@@ -199,7 +236,9 @@ def pick(timings: dict[str, dict[str, float]]) -> tuple[ModelFormat, ModelFormat
     return prefill, decode  # type: ignore[return-value]
 
 
-def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:
+def _cache_path(
+    model_key: str, eligible: Sequence[str], threads: int, kv_dtype: torch.dtype
+) -> Path:
     import hashlib
 
     # The kernel's source is part of the key: a faster native step must be measured anew.
@@ -216,6 +255,7 @@ def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:
             ",".join(eligible),
             kernel,
             omp,
+            str(kv_dtype),
         ]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -223,11 +263,16 @@ def _cache_path(model_key: str, eligible: Sequence[str], threads: int) -> Path:
 
 
 def choose(
-    checkpoint: Checkpoint, eligible: Sequence[str], model_key: str, threads: int | None = None
+    checkpoint: Checkpoint,
+    eligible: Sequence[str],
+    model_key: str,
+    threads: int | None = None,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> FormatChoice:
-    """The cached choice for this machine, threads and model, or a fresh measurement."""
+    """The cached choice for this machine, threads, model and KV element type (the cache it
+    serves from, as attention reads it), or a fresh measurement."""
     threads = threads or torch.get_num_threads()
-    path = _cache_path(model_key, eligible, threads)
+    path = _cache_path(model_key, eligible, threads, kv_dtype)
     if path.is_file():
         try:
             data = json.loads(path.read_text())
@@ -239,7 +284,7 @@ def choose(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        choice = measure(checkpoint, eligible)
+        choice = measure(checkpoint, eligible, kv_dtype)
     finally:
         torch.set_num_threads(previous)
     try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shared.model.tensor_names import expected_tensor_names
 from shared.modelfile.config import ModelConfig, ModelFileError
 from shared.modelfile.gguf_meta import config_from_header, read_header
 
@@ -122,13 +123,6 @@ def _our_name(gguf_name: str) -> str | None:
         if rest in _LAYER_NAMES:
             return f"layers.{layer}.{_LAYER_NAMES[rest]}"
     return None  # e.g. rope_freqs: recomputed from the theta
-
-
-def expected_tensor_names(config: ModelConfig) -> list[str]:
-    names = ["embed_tokens", "norm"] + ([] if config.tie_embeddings else ["lm_head"])
-    for i in range(config.num_layers):
-        names += [f"layers.{i}.{n}" for n in _LAYER_NAMES.values()]
-    return names
 
 
 def _check_complete(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,18 +1,18 @@
-"""A Llama-family decoder over the paged KV cache.
+"""The decoder every registered family runs on, over the paged KV cache.
 
-Plain tensors and functions rather than nn.Modules: the forward pass is the hot loop of a
-2-core CPU server, and every avoided indirection is time. Q/K/V and gate/up are fused into one
-matmul each (fewer, larger kernel calls).
+Llama's layout is the base; a family's config switches (shared/modelfile/config.py) turn on
+its extras in the layer loop below — biases, per-head q/k norms, sliding-window layers with
+their own RoPE theta, Gemma's norms and scalings, sparse expert MLPs. Plain tensors and
+functions rather than nn.Modules: the forward pass is the hot loop of a 2-core CPU server,
+and every avoided indirection is time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kernels.attention_kernel import AttentionKernel
 from kernels.attention_metadata import AttentionMetadata
@@ -20,24 +20,12 @@ from kernels.torch_attention import TorchPagedAttention
 from shared.kvcache.pool import KVLayout, KVPool
 from shared.model.embedding import TokenEmbedding
 from shared.model.gguf_file import Checkpoint
-from shared.model.linear import Linear, WeightFormat, fuse_q4_1, fuse_rows
-from shared.model.native_step import NativeMatrix, NativeStep
+from shared.model.layers import DecoderLayer, Matrix, norm_weight, rms_norm, torch_layers
+from shared.model.linear import Linear
+from shared.model.moe import gated_mlp
+from shared.model.native_step import NativeStep
+from shared.model.rope import RotaryEmbedding
 from shared.modelfile.config import ModelConfig
-
-Matrix = Linear | NativeMatrix  # y = x @ W.T, whichever kernel computes it
-
-
-@dataclass
-class _Layer:
-    input_norm: torch.Tensor
-    qkv: Matrix
-    o_proj: Matrix
-    post_attention_norm: torch.Tensor
-    gate_up: Matrix
-    down: Matrix
-
-
-_HEAD_FORMAT: dict[str, WeightFormat] = {"int4": "bf16"}
 
 # What a path can run in: a torch weight format, or the native step.
 ModelFormat = Literal["fp32", "bf16", "int8", "int4", "native", "native-a8"]
@@ -48,74 +36,6 @@ NATIVE_FORMATS: dict[str, str] = {"native": "fp32", "native-a8": "int8"}
 
 class NativeUnavailable(RuntimeError):
     """`native` was asked for where the native step cannot run (no compiler, not a CPU)."""
-
-
-def _torch_layers(
-    checkpoint: Checkpoint, weights: WeightFormat, dev: torch.device, head: bool = True
-) -> tuple[list[_Layer], Linear | None]:
-    cfg = checkpoint.config
-    t = checkpoint.tensors
-    blocks = checkpoint.q4_1_blocks
-    # The output projection decides the argmax: 4-bit groups there flipped 14.5% of fp32's
-    # top-1 tokens (quality gate, PIQA set), so int4 builds keep it in bf16.
-    lm_head = (
-        Linear(
-            t.get("lm_head", t["embed_tokens"]).to(dev),
-            _HEAD_FORMAT.get(weights, weights),
-            blocks.get("lm_head"),
-        )
-        if head
-        else None
-    )
-    layers: list[_Layer] = []
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        qkv_names = [p + "q_proj", p + "k_proj", p + "v_proj"]
-        gate_up_names = [p + "gate_proj", p + "up_proj"]
-        layers.append(
-            _Layer(
-                input_norm=t[p + "input_norm"].to(dev),
-                qkv=Linear(
-                    fuse_rows([t[n] for n in qkv_names]).to(dev),
-                    weights,
-                    fuse_q4_1([blocks.get(n) for n in qkv_names]),
-                ),
-                o_proj=Linear(t[p + "o_proj"].to(dev), weights, blocks.get(p + "o_proj")),
-                post_attention_norm=t[p + "post_attention_norm"].to(dev),
-                gate_up=Linear(
-                    fuse_rows([t[n] for n in gate_up_names]).to(dev),
-                    weights,
-                    fuse_q4_1([blocks.get(n) for n in gate_up_names]),
-                ),
-                down=Linear(t[p + "down_proj"].to(dev), weights, blocks.get(p + "down_proj")),
-            )
-        )
-    return layers, lm_head
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Spelled out: torch's CPU F.rms_norm was measured slower here (22 vs ~10 us per call).
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-class RotaryEmbedding:
-    """Rotate-half RoPE with cos/sin tables precomputed for every position."""
-
-    def __init__(self, head_dim: int, theta: float, max_position: int, device: torch.device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos().to(torch.float32).to(device)
-        self.sin = angles.sin().to(torch.float32).to(device)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -152,9 +72,17 @@ class LlamaModel:
         self.embed_tokens = TokenEmbedding.from_checkpoint(
             checkpoint, dev, keep_blocks=bool(natives) or not cfg.tie_embeddings
         )
-        self.norm = t["norm"].to(dev)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, dev)
-        self.scale = cfg.head_dim**-0.5
+        self.norm = norm_weight(t, "norm", cfg, dev)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position, dev, cfg.rope_scaling
+        )
+        # Sliding layers of Gemma 3 rotate with their own theta (and no scaling).
+        self.local_rope = (
+            RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, cfg.max_position, dev)
+            if cfg.local_rope_theta is not None
+            else None
+        )
+        self.scale = (cfg.query_scale or cfg.head_dim) ** -0.5
         self.native: NativeStep | None = None
         self.native_reason = "not asked for"
         if len(natives) > 1:
@@ -172,12 +100,12 @@ class LlamaModel:
                 raise NativeUnavailable(f"the native step is unavailable: {self.native_reason}")
         # Torch layers per torch format in use (usually one; two only if the chooser measured
         # two different torch formats fastest for the two paths).
-        self._torch: dict[str, tuple[list[_Layer], Linear | None]] = {}
+        self._torch: dict[str, tuple[list[DecoderLayer], Linear | None]] = {}
         for fmt in dict.fromkeys((self.weights, self.decode_weights)):
             if fmt not in NATIVE_FORMATS:
                 # With a native step, its head (the file's Q8_0 rows, ~1/3 the bytes of a bf16
                 # copy) serves both paths: the prompt path needs logits of a few rows only.
-                self._torch[fmt] = _torch_layers(  # type: ignore[arg-type]
+                self._torch[fmt] = torch_layers(  # type: ignore[arg-type]
                     checkpoint, fmt, dev, head=self.native is None
                 )
         # The layers of the prompt path, matrices as callables (the quality gate's dense
@@ -185,7 +113,7 @@ class LlamaModel:
         if self.weights in NATIVE_FORMATS:
             assert self.native is not None
             self.layers = [
-                _Layer(
+                DecoderLayer(
                     input_norm=t[f"layers.{i}.input_norm"].to(dev),
                     qkv=self.native.matrix(i, "qkv"),
                     o_proj=self.native.matrix(i, "o_proj"),
@@ -221,14 +149,16 @@ class LlamaModel:
             return self.native.nbytes.per_step_b1
         layers, torch_head = self._torch[self.decode_weights]
         head: Matrix = torch_head or self.native.matrix(-1, "head")  # type: ignore[union-attr]
-        per_layer = [
-            lyr.qkv.nbytes_per_call
-            + lyr.o_proj.nbytes_per_call
-            + lyr.gate_up.nbytes_per_call
-            + lyr.down.nbytes_per_call
-            for lyr in layers
-        ]
-        return sum(per_layer) + head.nbytes_per_call
+        total = head.nbytes_per_call
+        for lyr in layers:
+            total += sum(m.nbytes_per_call for m in lyr.dense_matrices())
+            if lyr.sparse is not None:
+                # A batch-1 step reads the top-k routed experts (and the shared one).
+                gate_up, down = lyr.sparse.experts[0]
+                total += lyr.sparse.top_k * (gate_up.nbytes_per_call + down.nbytes_per_call)
+                if lyr.sparse.shared is not None:
+                    total += sum(m.nbytes_per_call for m in lyr.sparse.shared[:2])
+        return total
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes each weight representation holds (what the worker reports at start)."""
@@ -237,7 +167,7 @@ class LlamaModel:
         )
         out = {"embedding+norms": self.embed_tokens.nbytes + 4 * norms}
         for fmt, (layers, head) in self._torch.items():
-            matrices = [m for lyr in layers for m in (lyr.qkv, lyr.o_proj, lyr.gate_up, lyr.down)]
+            matrices = [m for lyr in layers for m in lyr.all_matrices()]
             if head is not None:
                 matrices.append(head)
             out[f"torch {fmt}"] = sum(m.nbytes_held for m in matrices)  # type: ignore[union-attr]
@@ -263,26 +193,52 @@ class LlamaModel:
         cfg = self.config
         layers = self._torch[fmt or self.torch_path(decode=False) or next(iter(self._torch))][0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = self.rope.tables(meta.positions())
+        positions = meta.positions()
+        cos, sin = self.rope.tables(positions)
+        local = self.local_rope.tables(positions) if self.local_rope is not None else None
         self.attention.prepare(meta)
         x = self.embed_tokens[input_ids]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         n = x.shape[0]
+        eps = cfg.rms_norm_eps
         for index, layer in enumerate(layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            window = cfg.window(index)
+            h = rms_norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = torch.cat(
+                    [
+                        rms_norm(qk[:, :hq], layer.q_norm, eps),
+                        rms_norm(qk[:, hq:], layer.k_norm, eps),
+                    ],
+                    dim=1,
+                )
             # Q and K heads rotate together: one RoPE application per layer, not two.
-            qk = RotaryEmbedding.apply(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+            c, s = local if local is not None and window is not None else (cos, sin)
+            qk = RotaryEmbedding.apply(qk, c, s)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
             attn = self.attention.forward(
-                q, k, v, kv.key_cache(index), kv.value_cache(index), meta, self.scale
+                q, k, v, kv.key_cache(index), kv.value_cache(index), meta, self.scale, window
             )
-            x = x + layer.o_proj(attn.reshape(n, hq * d))
-            h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
-            gate_up = layer.gate_up(h)
-            inter = cfg.intermediate_size
-            x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+            out = layer.o_proj(attn.reshape(n, hq * d))
+            if layer.attn_out_norm is not None:
+                out = rms_norm(out, layer.attn_out_norm, eps)
+            x = x + out
+            h = rms_norm(x, layer.post_attention_norm, eps)
+            if layer.sparse is not None:
+                out = layer.sparse(h)
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                out = gated_mlp(h, layer.gate_up, layer.down, cfg.intermediate_size, cfg.activation)
+            if layer.mlp_out_norm is not None:
+                out = rms_norm(out, layer.mlp_out_norm, eps)
+            x = x + out
+        return rms_norm(x, self.norm, eps)
 
     def forward_path(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool, decode: bool
@@ -317,4 +273,18 @@ class LlamaModel:
             return self.native.logits(hidden)
         head = self._torch[fmt][1]
         assert head is not None
-        return head(hidden)
+        logits = head(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Layer -> tokens routed to each expert so far, over both paths' layers."""
+        load: dict[int, list[int]] = {}
+        for layers, _ in self._torch.values():
+            for i, layer in enumerate(layers):
+                if layer.sparse is not None:
+                    counts = layer.sparse.load.tolist()
+                    load[i] = [
+                        a + b for a, b in zip(load.get(i, [0] * len(counts)), counts, strict=True)
+                    ]
+        return load

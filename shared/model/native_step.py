@@ -189,12 +189,17 @@ class NativeStep:
         activations="fp32",
     ) -> tuple[NativeStep | None, str]:
         """The native step for this checkpoint, or None and why not."""
+        cfg = checkpoint.config
+        if not cfg.is_plain_llama:
+            return None, (
+                f"the native step computes Llama's layout only; '{cfg.architecture}' "
+                "(or its config's extras) runs on the torch path"
+            )
         if embed.dense is not None and embed.dense.device.type != "cpu":
             return None, "the native step runs on CPU only"
         build = load()
         if not build.available:
             return None, build.reason
-        cfg = checkpoint.config
         if cfg.head_dim > 512 or cfg.num_heads % cfg.num_kv_heads:
             return None, f"head_dim {cfg.head_dim} / GQA layout not supported by the native step"
         return cls(checkpoint, embed, rope_cos, rope_sin, build, activations), build.reason

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.model.gguf_file import Checkpoint, expected_tensor_names
+from shared.model.gguf_file import Checkpoint
+from shared.model.tensor_names import expected_tensor_names
 from shared.modelfile.config import ModelConfig
 
 TINY_CONFIG = ModelConfig(

@@ -67,6 +67,13 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
     n_kv = int(header.get(f"{arch}.attention.head_count_kv") or n_heads)
     hidden = int(_require(header, f"{arch}.embedding_length"))
     names = {t.name for t in header.tensors}
+    scaling = header.get(f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in names or scaling not in (None, "none"):
+        # Llama 3.1+ files carry per-frequency factors; recomputing RoPE from the theta alone
+        # would serve a silently different model.
+        raise ModelFileError(
+            path, f"unsupported config feature: RoPE scaling ({scaling or 'rope_freqs tensor'})"
+        )
     vocab = header.get(f"{arch}.vocab_size")
     if vocab is None:
         tokens = header.get("tokenizer.ggml.tokens")

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.model.layers import rms_norm
 from shared.model.linear import Linear
-from shared.model.llama import LlamaModel, RotaryEmbedding, rms_norm
+from shared.model.llama import LlamaModel
+from shared.model.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,10 @@ def forward_hidden(
 ) -> list[torch.Tensor]:
     """Final-norm hidden states, one [num_rows, hidden] tensor per sequence."""
     cfg = model.config
+    if not cfg.is_plain_llama:
+        # This dense re-implementation spells out Llama's layer only; a family's extras
+        # (biases, windows, experts) would be silently skipped.
+        raise ValueError(f"the dense forward runs Llama's layout only, not '{cfg.architecture}'")
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     p = _pack(seqs)
     n = p.tokens.shape[0]

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.gguf_file import Checkpoint
-from shared.model.llama import RotaryEmbedding, rms_norm
+from shared.model.layers import rms_norm
+from shared.model.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,23 @@ class EngineStateCollector(Collector):
         aborted.add_metric(values, self.engine.num_aborted)
         yield aborted
         yield from self._weights(names, values)
+        yield from self._experts(names, values)
+
+    def _experts(self, names: list[str], values: list[str]) -> Iterator[CounterMetricFamily]:
+        """Tokens routed to each expert of each sparse layer: a skewed row is an expert that
+        bounds the step (and what expert-parallel placement would balance)."""
+        load = self.engine.model.expert_load()
+        if not load:
+            return
+        routed = CounterMetricFamily(
+            "splitserve_moe_expert_tokens",
+            "Tokens routed to each expert of each sparse MLP layer",
+            labels=[*names, "layer", "expert"],
+        )
+        for layer, counts in load.items():
+            for expert, count in enumerate(counts):
+                routed.add_metric([*values, str(layer), str(expert)], count)
+        yield routed
 
     def _weights(self, names: list[str], values: list[str]) -> Iterator[GaugeMetricFamily]:
         """The formats each path computes in (and the timings `auto` chose them by), and the

@@ -46,6 +46,9 @@ class GGUFVocab:
     add_bos_token: bool
     add_eos_token: bool
     chat_template: str | None
+    # SentencePiece models whose encoder prefixes a space: decoding drops it again
+    # (llama.cpp's tokenizer.ggml.add_space_prefix).
+    add_space_prefix: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -81,6 +84,8 @@ class GGUFVocab:
             "add_bos_token": self.add_bos_token,
             "add_eos_token": self.add_eos_token,
         }
+        if self.add_space_prefix:  # only when set: the existing fingerprints stay as they are
+            identity["add_space_prefix"] = True
         encoded = json.dumps(identity, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         return hashlib.sha256(encoded.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -1,4 +1,5 @@
-"""Text <-> token ids for a model, built from the model's own GGUF metadata."""
+"""Text <-> token ids for a model, built from the model's own files: a GGUF's metadata, or a
+Hugging Face folder's tokenizer.json."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from tokenizers import Tokenizer as _RustTokenizer
 from shared.tokenizer.byte_level import token_bytes_table
 from shared.tokenizer.chat_template import ChatTemplate
 from shared.tokenizer.gguf_vocab import GGUFVocab, read_gguf_vocab
+from shared.tokenizer.hf_vocab import read_hf_vocab
 from shared.tokenizer.pretokenize import build_pre_tokenizer
+from shared.tokenizer.spm_pieces import spm_token_bytes_table
 
 # What each `tokenizer.ggml.model` value means, for an error message a person can act on.
 _TOKENIZER_MODELS = {
@@ -34,16 +37,25 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<
 class Tokenizer:
     """A byte-level BPE tokenizer exactly as the GGUF file describes it."""
 
-    def __init__(self, vocab: GGUFVocab) -> None:
-        if vocab.model != "gpt2":
+    def __init__(self, vocab: GGUFVocab, rust: _RustTokenizer | None = None) -> None:
+        # A folder's SentencePiece-style BPE encodes through its own tokenizer.json; a GGUF's
+        # would need its pipeline rebuilt from metadata, which only byte-level BPE has here.
+        spm = vocab.model == "llama" and rust is not None
+        if vocab.model != "gpt2" and not spm:
             kind = _TOKENIZER_MODELS.get(vocab.model, "unknown")
             raise ValueError(
                 f"{vocab.path}: unsupported tokenizer model tokenizer.ggml.model="
                 f"{vocab.model!r} ({kind}); only 'gpt2' (byte-level BPE) is supported"
             )
         self._vocab = vocab
-        self._rust = _build_rust_tokenizer(vocab)
-        self._token_bytes = token_bytes_table(vocab.tokens)
+        # A folder brings its own pipeline (tokenizer.json); a GGUF's is rebuilt from metadata.
+        self._rust = rust if rust is not None else _build_rust_tokenizer(vocab)
+        verbatim = {*vocab.control_token_ids, *vocab.user_defined_token_ids}
+        self._token_bytes = (
+            spm_token_bytes_table(vocab.tokens, verbatim)
+            if spm
+            else token_bytes_table(vocab.tokens)
+        )
         self._special_ids = frozenset(vocab.control_token_ids)
         stops = {vocab.eos_token_id} if vocab.eos_token_id is not None else set()
         stops |= {i for i in self._special_ids if vocab.tokens[i] in END_OF_TURN_TOKENS}
@@ -64,6 +76,15 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         return cls(read_gguf_vocab(path))
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | os.PathLike[str]) -> Tokenizer:
+        return cls(*read_hf_vocab(folder))
+
+    @classmethod
+    def from_model_path(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """The tokenizer shipped with a model: a folder's tokenizer.json, or a GGUF's own."""
+        return cls.from_hf_folder(path) if os.path.isdir(path) else cls.from_gguf(path)
 
     def __repr__(self) -> str:
         return (
@@ -144,7 +165,10 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         table = self._token_bytes
-        return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+        text = b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+        if self._vocab.add_space_prefix and text.startswith(" "):
+            text = text[1:]  # the space the encoder put in front
+        return text
 
     def apply_chat_template(
         self,
@@ -158,7 +182,7 @@ class Tokenizer:
         `tools` only if `chat_template_supports_tools`.
         """
         if self._chat_template is None:
-            raise ValueError(f"{self._vocab.path} has no chat template (tokenizer.chat_template)")
+            raise ValueError(f"{self._vocab.path} has no chat template")
         return self._chat_template.render(
             messages, add_generation_prompt=add_generation_prompt, tools=tools
         )

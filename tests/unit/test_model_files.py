@@ -39,7 +39,7 @@ def test_truncated_gguf_is_refused(tmp_path, gguf_path):
         read_gguf(truncated)
 
 
-def _write_gguf(path, arch: str, tensor_dtype=np.float32):
+def _write_gguf(path, arch: str, tensor_dtype=np.float32, extra: dict | None = None):
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -49,6 +49,8 @@ def _write_gguf(path, arch: str, tensor_dtype=np.float32):
     writer.add_head_count(2)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=tensor_dtype))
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -79,3 +81,12 @@ def test_not_a_model(tmp_path):
 def test_hf_folder_without_config(tmp_path):
     with pytest.raises(ModelFileError, match="config.json"):
         read_checkpoint(tmp_path)
+
+
+def test_llama_3_rope_factors_in_a_gguf_are_refused(tmp_path):
+    """A Llama 3.1+ GGUF carries its RoPE scaling as a `rope_freqs` tensor: recomputing RoPE
+    from the theta alone would be a different model, so it is refused by name."""
+    path = tmp_path / "llama31.gguf"
+    _write_gguf(path, "llama", extra={"rope_freqs.weight": np.ones(2, dtype=np.float32)})
+    with pytest.raises(ModelFileError, match="RoPE scaling"):
+        read_gguf(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shared.engine.model_setup import load_serving_model
 from shared.model.formats import choose, pick
@@ -72,8 +73,36 @@ def test_a_choice_is_measured_once_per_machine_then_cached(tmp_path, monkeypatch
     again = choose(ck, ["fp32", "native"], model_key="tiny-0", threads=1)
     assert again.cached and (again.prefill, again.decode) == (first.prefill, first.decode)
     assert again.timings == first.timings
-    # Another thread count is another measurement.
+    # Another thread count is another measurement, and so is another KV element type.
     assert not choose(ck, ["fp32", "native"], model_key="tiny-0", threads=2).cached
+    half = choose(ck, ["fp32", "native"], model_key="tiny-0", threads=1, kv_dtype=torch.float16)
+    assert not half.cached
+
+
+def test_formats_are_timed_in_rounds_each_keeping_its_best(monkeypatch):
+    """Every format is timed once per round, in turn, so a burst of other work slows one
+    round of each format rather than every call of one."""
+    from shared.model import formats
+
+    order: list[str] = []
+
+    class Timer:
+        def __init__(self, checkpoint, fmt, scale, kv_dtype):
+            self.fmt = fmt
+            self.rounds = 0
+
+        def time_round(self):
+            order.append(self.fmt)
+            self.rounds += 1
+
+        def result(self):
+            slow = {"fp32": 9.0, "native": 3.0}[self.fmt]
+            return _t(slow, slow, 8 * slow)
+
+    monkeypatch.setattr(formats, "_FormatTimer", Timer)
+    choice = formats.measure(tiny_checkpoint(seed=0), ["fp32", "native"])
+    assert order == ["fp32", "native"] * formats.ROUNDS
+    assert (choice.prefill, choice.decode) == ("native", "native")
 
 
 def test_auto_without_a_compiler_serves_the_torch_path_and_says_why(

@@ -1,0 +1,62 @@
+"""A measured profile of this machine, measured once per signature and cached.
+
+`bench tune --live` compares the simulator with a stack on this machine, so it must simulate
+this machine: a profile measured elsewhere (the shipped one included) would make the check
+about the other machine. The cache is keyed by what the signature holds before measuring
+(CPU model and flags, cores, threads, the weights asked for, the model's shape) plus the grid,
+so a new machine, a new model or another thread count measures anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from kernels.native.build import cache_dir as native_cache_dir
+from services.profiler.costmodel import ProfileError, ReplicaProfile, load_profile
+from services.profiler.model_shape import read_model_shape
+from services.profiler.signature import cpu_here
+
+PROFILE_CACHE_VERSION = 1  # bump when what a profile measures changes
+
+
+def cache_path(weights: str, threads: int, quick: bool, model_path: str | None = None) -> Path:
+    from shared.kvcache.kv_dtype import resolve_kv_dtype
+    from shared.modelfile.default import default_model_path
+
+    shape = read_model_shape(model_path or default_model_path())
+    kv = str(resolve_kv_dtype("auto")[0]).removeprefix("torch.")  # what a replica serves with
+    key = cpu_here(threads, weights, shape, kv).to_dict() | {
+        "quick": quick,
+        "version": PROFILE_CACHE_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return native_cache_dir().parent / "profiles" / f"profile-{digest}.json"
+
+
+def profile_of_this_machine(
+    weights: str = "auto", threads: int = 1, quick: bool = True, model_path: str | None = None
+) -> tuple[ReplicaProfile, str, bool]:
+    """(profile, where it is stored, whether it came from the cache). A full-grid profile in
+    the cache is preferred over measuring a quick one."""
+    grids = (False, True) if quick else (False,)
+    for q in grids:
+        path = cache_path(weights, threads, q, model_path)
+        if path.is_file():
+            try:
+                return load_profile(path), str(path), True
+            except ProfileError as exc:
+                print(f"[profile] ignoring unreadable cached profile: {exc}", file=sys.stderr)
+    from services.profiler.run import run_profile
+
+    print(
+        "[profile] no profile of this machine cached: measuring one "
+        f"({'quick grid, about a minute' if quick else 'full grid'})",
+        file=sys.stderr,
+    )
+    profile = run_profile(weights=weights, model_path=model_path, threads=threads, quick=quick)
+    path = cache_path(weights, threads, quick, model_path)
+    profile.save(path)
+    return profile, str(path), False

@@ -1,0 +1,134 @@
+"""Tiny random-weight checkpoints of every served family, built by `transformers` itself.
+
+For the family tests and `splitserve bench models`; `transformers` is a dev dependency, so
+it is imported only when a model is built.
+
+Each config is instantiated offline (2 layers, hidden 64), its weights redrawn at a scale
+that makes logits peaked (greedy ties vanishingly rare), and saved as a safetensors folder:
+the reference a user trusts, in the format a user has. Sliding windows are 12 tokens, so
+prompts of a few dozen tokens run past them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WINDOW = 12
+VOCAB = 256
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def _config(family: str):
+    import transformers as tf
+
+    if family == "llama3":
+        return tf.LlamaConfig(
+            **_COMMON,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    if family == "qwen2":
+        return tf.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if family == "qwen3":
+        return tf.Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
+    if family == "mistral":
+        return tf.MistralConfig(**_COMMON, sliding_window=WINDOW)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(
+            **_COMMON,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **_COMMON,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(
+            **_COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        )
+    if family == "mixtral":
+        return tf.MixtralConfig(
+            **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW
+        )
+    raise KeyError(family)
+
+
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def reference_model(family: str, seed: int = 0):
+    """The transformers model (fp32, eager attention) with redrawn weights."""
+    import transformers as tf
+
+    config = _config(family)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                # Gemma's norms store an offset from 1; the others the scale itself.
+                base = 0.0 if family == "gemma3" else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[-1] ** 0.5))
+    return model.eval()
+
+
+def save_family(family: str, folder: Path, seed: int = 0):
+    """Write the family's tiny checkpoint to `folder`; returns the reference model."""
+    model = reference_model(family, seed)
+    model.save_pretrained(str(folder))
+    return model
+
+
+@torch.inference_mode()
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(reference_logits(model, tokens)[-1].argmax()))
+    return tokens[len(prompt) :]

@@ -1,0 +1,40 @@
+"""The families served, picked from a checkpoint's `architectures` (or GGUF architecture)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.modelfile.config import ModelFileError
+from shared.modelfile.families import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen_moe
+from shared.modelfile.families.base import Family
+
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma3.FAMILY,
+    qwen_moe.QWEN3_MOE,
+    qwen_moe.QWEN2_MOE,
+    mixtral.FAMILY,
+)
+_BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
+_BY_NAME = {f.name: f for f in FAMILIES}
+# Older folders name no `architectures`; their `model_type` still says which layout it is.
+_BY_MODEL_TYPE = {"llama": llama.FAMILY, "mistral": mistral.FAMILY, "qwen2": qwen2.FAMILY}
+
+
+def family_named(name: str) -> Family:
+    return _BY_NAME[name]
+
+
+def family_for_hf(raw: dict[str, Any], path: str) -> Family:
+    architectures = raw.get("architectures") or []
+    for arch in architectures:
+        if arch in _BY_HF:
+            return _BY_HF[arch]
+    if not architectures and raw.get("model_type", "llama") in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[raw.get("model_type", "llama")]
+    named = ", ".join(architectures) or f"model_type '{raw.get('model_type')}'"
+    supported = ", ".join(sorted(_BY_HF))
+    raise ModelFileError(path, f"unsupported architecture {named} (supported: {supported})")

@@ -1,0 +1,110 @@
+"""The simulator's resource terms, each on a toy case computed by hand: a decode replica's
+KV capacity (joins wait for room), preemption when a batch's growth overflows it (the victim
+rejoins later and recomputes its KV), and KV pushes sharing a prefill replica's link."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
+from services.tuner.fleet import FleetConfig
+from services.tuner.simulator import simulate
+from services.tuner.trace import Trace
+
+# A prefill step costs 1 ms whatever it holds; a decode step 3 ms + 1 ms per sequence.
+PREFILL = PrefillModel(1.0, 0.0, 0.0)
+DECODE = DecodeModel(3.0, 1.0, 0.0)
+
+
+def profile(kv_capacity: int, kv_bytes: int = 0) -> ReplicaProfile:
+    return ReplicaProfile(
+        prefill=PREFILL,
+        decode=DECODE,
+        transfer=TransferModel(0.0, 1.0),  # no latency, 1 GB/s
+        chunk_tokens=1000,
+        kv_bytes_per_token=kv_bytes,
+        max_context=100_000,
+        kv_capacity_tokens=kv_capacity,
+    )
+
+
+def trace(arrivals, inputs, outputs) -> Trace:
+    return Trace(
+        name="toy",
+        format="synthetic",
+        arrival_ms=np.asarray(arrivals, dtype=float),
+        input_tokens=np.asarray(inputs, dtype=np.int64),
+        output_tokens=np.asarray(outputs, dtype=np.int64),
+    )
+
+
+def finish_ms(result) -> list[float]:
+    return (result.arrival_ms + result.e2e_ms).tolist()
+
+
+def test_a_full_decode_replica_makes_the_next_sequence_wait():
+    # Two 100-token prompts at 0: the first prefills [0, 1], the second [1, 2] (it arrived
+    # after the first step had started); each reply is 11 tokens, 10 of them decoded.
+    # Unbounded: A steps alone [1, 5], then with B 9 steps of 5 ms (A ends at 50), B's last
+    # alone (54).
+    toy = trace([0, 0], [100, 100], [11, 11])
+    fleet = FleetConfig(1, 1)
+    free = simulate(toy, profile(10_000), fleet)
+    assert finish_ms(free) == pytest.approx([50.0, 54.0])
+    # 150 tokens of KV hold one 101-token context: the second waits for the first to end
+    # (10 steps of 4 ms, at 41), then runs its own 10 (at 81).
+    full = simulate(toy, profile(150), fleet)
+    assert finish_ms(full) == pytest.approx([41.0, 81.0])
+    assert full.decode_preemptions == 0
+    # Lifting the limit is the old model.
+    lifted = simulate(toy, profile(150), FleetConfig(1, 1, unbounded_decode_kv=True))
+    assert finish_ms(lifted) == pytest.approx([50.0, 54.0])
+
+
+def test_growth_past_capacity_preempts_the_latest_and_it_recomputes():
+    # A (50 tokens, 30 to decode) prefills [0, 1], joins at 1; B arrives at 0.5, prefills
+    # [1, 2] and joins at the step boundary 5 (A's step [1, 5]): contexts 52 + 51 = 103 of
+    # 110, room for (110 - 103) // 2 = 3 steps of 5 ms, to 20. Then B (latest, 3 tokens
+    # made) is preempted; A runs its last 26 steps alone (4 ms): ends at 124. B rejoins,
+    # recomputes its 54 tokens of KV (one 1 ms prefill step) and runs 27 steps: 124 + 1 +
+    # 108 = 233.
+    toy = trace([0, 0.5], [50, 50], [31, 31])
+    result = simulate(toy, profile(110), FleetConfig(1, 1))
+    assert result.decode_preemptions == 1
+    assert finish_ms(result) == pytest.approx([124.0, 233.0])
+    # B waited from its token at 20 to its first after rejoining (124 + 1 + 4): one gap.
+    assert result.itl_ms.max() == pytest.approx(109.0)
+    # Every token is still produced exactly once.
+    assert result.completed == 2
+    assert sum(result.decode_tokens) == 60
+
+
+def test_pushes_share_the_prefill_replicas_link():
+    # The prompts prefill [0, 1] and [1, 2]; each pushes 100 tokens x 15 kB = 1.5 MB at
+    # 1 GB/s (1e6 bytes per ms): 1.5 ms. The first push holds the link until 2.5, so the
+    # second's bytes go 2.5..4.0 (alone it would be done at 3.5).
+    toy = trace([0, 0], [100, 100], [1, 1])
+    result = simulate(toy, profile(10_000, kv_bytes=15_000), FleetConfig(1, 1))
+    assert result.ttft_ms.tolist() == pytest.approx([2.5, 4.0])
+    # With two prefill replicas each prefills at once and pushes over its own link.
+    apart = simulate(toy, profile(10_000, kv_bytes=15_000), FleetConfig(2, 1))
+    assert apart.ttft_ms.tolist() == pytest.approx([2.5, 2.5])
+
+
+def test_colocated_replicas_slow_each_other_by_the_neighbours_utilization():
+    from services.tuner.colocation import Colocation, simulate_colocated
+
+    # A short prompt with a long reply keeps the decode replica busy; a 500-token prompt
+    # arrives meanwhile and prefills while decode is busy.
+    toy = trace([0, 50], [10, 500], [200, 2])
+    p = profile(10_000)
+    alone, factors = simulate_colocated(toy, p, FleetConfig(1, 1), Colocation(1.0, 1.0))
+    assert factors == {"prefill_factor": 1.0, "decode_factor": 1.0}
+    assert alone.ttft_ms.tolist() == simulate(toy, p, FleetConfig(1, 1)).ttft_ms.tolist()
+    shared, factors = simulate_colocated(toy, p, FleetConfig(1, 1), Colocation(2.0, 1.0))
+    # Prefill runs at 1 + u_d of its speed alone (1 ms steps here): the second prompt's one
+    # step takes exactly that factor; decode does not slow (D = 1).
+    assert 1.0 < factors["prefill_factor"] < 2.0 and factors["decode_factor"] == 1.0
+    assert shared.ttft_ms[1] == pytest.approx(factors["prefill_factor"] * 1.0)
+    assert shared.itl_ms.tolist() == pytest.approx(alone.itl_ms.tolist(), rel=0.05)
