@@ -1,7 +1,8 @@
 """`splitserve bench chaos`: does the supervised local stack lose a stream when a worker dies?
 
-One `splitserve up`-style stack (1 coordinator, 2 prefill, 2 decode by default). Per
-scenario, N concurrent greedy streams (ignore_eos) while a worker is hit:
+One `splitserve up`-style stack (1 coordinator, 2 prefill, 2 decode by default; with
+`coordinators` > 1 the streams are spread over every coordinator). Per scenario, N
+concurrent greedy streams (ignore_eos) while a worker is hit:
 
 - kill_decode: SIGKILL of a decode replica serving streams, once they are a few tokens in
   (its streams migrate; the supervisor restarts it);
@@ -10,7 +11,9 @@ scenario, N concurrent greedy streams (ignore_eos) while a worker is hit:
 - drain_decode: SIGTERM of a decode replica serving streams (they finish there; nothing new
   is routed to it; then it exits and is restarted);
 - restart_decode_same_name: a decode replica killed and restarted (same name, new process
-  and address) *before* the streams, which must then go through it like any other.
+  and address) *before* the streams, which must then go through it like any other;
+- kill_coordinator (two coordinators or more): SIGKILL of the last coordinator once one of
+  its streams is a few tokens in (services/bench/chaos_coordinators.py).
 
 Each scenario's texts are compared with a calm run of the same prompts afterwards (greedy:
 they must be identical; the calm run comes second so the chaos run is not served from
@@ -18,7 +21,8 @@ prefix caches that would skip the prefill being killed). Keys per scenario: `str
 `identical`, `failed`, `leaked_blocks` (KV blocks still held on any worker once the stack is
 idle again), `recovery_s` (from the hit to the replica serving again), `p99_stall_ms` (p99
 over surviving streams of the longest gap between two of its tokens); the calm run beside
-them. Targets: identical == streams and leaked_blocks == 0.
+them. Targets: identical == streams and leaked_blocks == 0; for kill_coordinator, streams
+on the killed coordinator may fail (nothing else), and a new request succeeds within 2 s.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
 import httpx
 
+from services.bench.chaos_coordinators import CoordinatorHit, one_view
 from services.bench.load import StreamError, filler_text, percentile, stream_events
 from services.launcher import LocalStack, start_local_stack
 from services.launcher.presets import loopback_config
@@ -41,7 +45,9 @@ from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 
-SCENARIOS = ("kill_decode", "kill_prefill", "drain_decode", "restart_decode_same_name")
+WORKER_SCENARIOS = ("kill_decode", "kill_prefill", "drain_decode", "restart_decode_same_name")
+SCENARIOS = (*WORKER_SCENARIOS, "kill_coordinator")  # the last needs two coordinators
+NEW_REQUEST_TARGET_S = 2.0
 TOPICS = ("a lighthouse", "the sea", "a fox", "a city", "a clock", "a river", "a storm", "a map")
 
 
@@ -51,16 +57,18 @@ class ChaosBenchSpec:
     max_tokens: int = 48
     prefill: int = 2
     decode: int = 2
+    coordinators: int = 1
     hit_after_tokens: int = 6  # kill_decode / drain_decode: once a stream is this far in
     prompt_words: int = 60
     weights: str = "fp32"
-    scenarios: tuple[str, ...] = SCENARIOS
+    scenarios: tuple[str, ...] = WORKER_SCENARIOS
     recovery_timeout_s: float = 120.0
 
 
 @dataclass
 class StreamResult:
     prompt: str
+    coordinator: int = 0  # which of the stack's coordinators serves it
     text: str = ""
     prefill: str = ""  # worker ids from the first chunk's metadata ("" = local prefill)
     decode: str = ""
@@ -70,6 +78,7 @@ class StreamResult:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, r: StreamResult, max_tokens: int) -> None:
+    url = f"{url}/v1/chat/completions"
     body = {
         "model": DEFAULT_MODEL_ID,
         "messages": [{"role": "user", "content": r.prompt}],
@@ -104,12 +113,16 @@ async def _run_streams(
     max_tokens: int,
     hit: Callable[[list[StreamResult]], bool] | None = None,
 ) -> list[StreamResult]:
-    """The streams, concurrently; `hit(results)` is polled while they run until it acts."""
-    results = [StreamResult(p) for p in prompts]
-    url = f"{stack.base_url}/chat/completions"
+    """The streams, concurrently, spread over the coordinators; `hit(results)` is polled
+    while they run until it acts."""
+    urls = stack.coordinator_urls
+    results = [StreamResult(p, i % len(urls)) for i, p in enumerate(prompts)]
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-        tasks = [asyncio.create_task(_stream(client, url, r, max_tokens)) for r in results]
+        tasks = [
+            asyncio.create_task(_stream(client, urls[r.coordinator], r, max_tokens))
+            for r in results
+        ]
         while hit is not None and not all(t.done() for t in tasks):
             if hit(results):
                 break
@@ -136,8 +149,7 @@ def _ready(stack: LocalStack) -> dict:
 def _healed(stack: LocalStack, expected_workers: int) -> bool:
     if not all(stack.supervisor.is_ready(name) for name in stack.processes):
         return False
-    workers = _ready(stack)["workers"].values()
-    return sum(w["alive"] and not w["draining"] for w in workers) == expected_workers
+    return one_view(stack, expected_workers)
 
 
 def _wait_healed(stack: LocalStack, expected: int, timeout_s: float) -> None:
@@ -168,7 +180,7 @@ def leaked_blocks(stack: LocalStack, settle_s: float = 10.0) -> int:
         for worker in _ready(stack)["workers"].values():
             if not worker["alive"]:
                 continue
-            with grpc.insecure_channel(worker["address"]) as channel:
+            with stack.internal_auth.sync_channel(worker["address"]) as channel:
                 stats = json.loads(
                     pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).json
                 )
@@ -232,7 +244,20 @@ def _scenario(stack: LocalStack, spec: ChaosBenchSpec, scenario: str, workers: i
     first_token = lambda r: r.tokens >= 1  # noqa: E731
     hit: _Hit | None = None
     extra: dict = {}
-    if scenario == "restart_decode_same_name":
+    if scenario == "kill_coordinator":
+        coordinator_hit = CoordinatorHit(stack, far_in)
+        results = asyncio.run(_run_streams(stack, prompts, spec.max_tokens, coordinator_hit))
+        coordinator_hit.finish()
+        if not coordinator_hit.at:
+            raise RuntimeError(f"{scenario}: the streams ended before the coordinator was hit")
+        recovery, extra["converged_s"] = coordinator_hit.converged(workers, spec.recovery_timeout_s)
+        extra["new_request_s"] = coordinator_hit.new_request_s
+        killed = [r for r in results if r.coordinator == coordinator_hit.index]
+        extra["on_killed_coordinator"] = len(killed)
+        extra["failed_on_survivors"] = sum(
+            r.error is not None for r in results if r.coordinator != coordinator_hit.index
+        )
+    elif scenario == "restart_decode_same_name":
         name = next(n for n in stack.processes if n.startswith("decode"))
         restarts = stack.supervisor.restarts(name)
         at = time.monotonic()
@@ -280,24 +305,42 @@ def _is_process_of(worker_id: str, name: str) -> bool:
     return f"-{role}-{index}-" in worker_id
 
 
+def met_targets(scenario: str, s: dict) -> bool:
+    if scenario != "kill_coordinator":
+        return s["identical"] == s["streams"] and s["leaked_blocks"] == 0
+    # Streams on the killed coordinator may fail; every other one must come out identical.
+    survivors = s["streams"] - s["on_killed_coordinator"]
+    new_request = s["new_request_s"]
+    return (
+        s["failed_on_survivors"] == 0
+        and s["identical"] >= survivors
+        and s["leaked_blocks"] == 0
+        and new_request is not None
+        and new_request < NEW_REQUEST_TARGET_S
+    )
+
+
 def run(spec: ChaosBenchSpec) -> dict:
     workers = spec.prefill + spec.decode
     result: dict = {
         "streams": spec.streams,
         "max_tokens": spec.max_tokens,
-        "topology": {"coordinators": 1, "prefill": spec.prefill, "decode": spec.decode},
+        "topology": {
+            "coordinators": spec.coordinators,
+            "prefill": spec.prefill,
+            "decode": spec.decode,
+        },
         "weights": spec.weights,
         "scenarios": {},
     }
     pools = {"prefill": spec.prefill, "decode": spec.decode}
-    config = parse_config(loopback_config(pools, spec.weights))
-    with start_local_stack(config, startup_timeout_s=300) as stack:
+    raw = loopback_config(pools, spec.weights)
+    raw["coordinator"]["replicas"] = spec.coordinators
+    with start_local_stack(parse_config(raw), startup_timeout_s=300) as stack:
+        _wait_healed(stack, workers, spec.recovery_timeout_s)  # every coordinator knows all
         for scenario in spec.scenarios:
             result["scenarios"][scenario] = _scenario(stack, spec, scenario, workers)
-    result["targets_met"] = all(
-        s["identical"] == s["streams"] and s["leaked_blocks"] == 0
-        for s in result["scenarios"].values()
-    )
+    result["targets_met"] = all(met_targets(n, s) for n, s in result["scenarios"].items())
     return result
 
 
@@ -312,4 +355,10 @@ def table_rows(result: dict) -> list[tuple[str, object, object, object]]:
         stall, calm = s["p99_stall_ms"], s["calm"]["p99_stall_ms"]
         ratio = stall / calm if stall and calm else None
         rows.append((f"{short}: p99 stall ms vs calm", stall, calm, ratio))
+        if name == "kill_coordinator":
+            rows.append((f"{short}: failed on survivors", s["failed_on_survivors"], 0, None))
+            rows.append(
+                (f"{short}: new request (s)", s["new_request_s"], NEW_REQUEST_TARGET_S, None)
+            )
+            rows.append((f"{short}: converged after restart (s)", s["converged_s"], None, None))
     return rows

@@ -124,7 +124,7 @@ async def _overhead(stack, tokenizer: Tokenizer, repeats: int = 12) -> dict:
         w["address"] for w in health["workers"].values() if w["role"] in ("prefill", "both")
     )
     via, direct = [], []
-    async with httpx.AsyncClient() as client, grpc.aio.insecure_channel(prefill_addr) as channel:
+    async with httpx.AsyncClient() as client, stack.internal_auth.channel(prefill_addr) as channel:
         stub = pb_grpc.WorkerStub(channel)
         params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=1))
         for r in range(repeats):

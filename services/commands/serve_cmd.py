@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.commands.common import fail, positive_float
+from services.commands.common import fail, positive_float, positive_int
 
 SERVICES = ("coordinator", "prefill", "decode", "both")
 
@@ -27,6 +27,14 @@ def add_commands(sub) -> None:
         default=300.0,
         metavar="SECONDS",
         help="give up if the stack is not ready by then (default: 300)",
+    )
+    up.add_argument(
+        "--coordinators",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="coordinator processes sharing the workers (default: the config's "
+        "coordinator.replicas, 1)",
     )
     shape = up.add_mutually_exclusive_group()
     shape.add_argument(
@@ -63,6 +71,12 @@ def add_commands(sub) -> None:
     serve.add_argument(
         "--port", type=_port, default=None, help="port to bind (worker gRPC, coordinator HTTP)"
     )
+    serve.add_argument(
+        "--registry-port",
+        type=_port,
+        default=None,
+        help="coordinator: the registry's gRPC port (default: coordinator.registry_port)",
+    )
     serve.set_defaults(handler=run_serve)
 
 
@@ -86,10 +100,10 @@ def run_up(args: argparse.Namespace) -> int:
             "--disaggregated/--colocated choose the built-in topology; with --config, "
             "set models[].pools in the file"
         )
-    overrides = {"host": args.host, "port": args.port}
-    overrides = {key: value for key, value in overrides.items() if value is not None}
-    if overrides:
-        coordinator = config.coordinator.model_copy(update=overrides)
+    update = {"host": args.host, "port": args.port, "replicas": args.coordinators}
+    update = {k: v for k, v in update.items() if v is not None}
+    if update:
+        coordinator = config.coordinator.model_copy(update=update)
         config = config.model_copy(update={"coordinator": coordinator})
     return launch(config, args.startup_timeout)
 
@@ -101,10 +115,20 @@ def run_serve(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         return fail(str(exc))
+    if args.registry_port is not None:
+        if args.service != "coordinator":
+            return fail(
+                "--registry-port is the coordinator's; workers read the registries from the config"
+            )
+        coordinator = config.coordinator.model_copy(update={"registry_port": args.registry_port})
+        config = config.model_copy(update={"coordinator": coordinator})
     if args.service == "coordinator":
         from services.coordinator.main import run_coordinator
 
-        run_coordinator(config, bind_host=args.host, port=args.port)
+        try:  # what the config names but cannot be used: a missing token file, a model
+            run_coordinator(config, bind_host=args.host, port=args.port)
+        except ConfigError as exc:
+            return fail(str(exc))
         return 0
     ids = [m.id for m in config.models]
     model_id = args.model_id
@@ -118,7 +142,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.host is not None:
         config = config.model_copy(update={"worker_host": args.host})
-    run_worker(config, model_id, args.service, args.index, port=args.port or 0)
+    try:
+        run_worker(config, model_id, args.service, args.index, port=args.port or 0)
+    except ConfigError as exc:
+        return fail(str(exc))
     return 0
 
 

@@ -18,6 +18,7 @@ from services.coordinator.fleet_readiness import fleet_readiness
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.rpc.auth import NO_AUTH, InternalAuth
 from shared.rpc.channels import ChannelPool
 from shared.wire.records import WorkerLoad
 
@@ -38,10 +39,12 @@ def worker_state(info: WorkerInfo, now: float, heartbeat_interval_s: float) -> W
 
 
 class FleetView:
-    def __init__(self, registry: WorkerRegistry, refresh_s: float = 1.0):
+    def __init__(
+        self, registry: WorkerRegistry, refresh_s: float = 1.0, auth: InternalAuth = NO_AUTH
+    ):
         self.registry = registry
         self.refresh_s = refresh_s
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(auth)
         self._snapshot: dict[str, Any] | None = None
         self._taken_at = 0.0
         self._lock = asyncio.Lock()

@@ -30,6 +30,7 @@ from services.coordinator.pair_attempt import PairAttempt
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import RoutingDecision, choose_pair
 from shared.proto_gen import worker_pb2 as pb
+from shared.rpc.auth import NO_AUTH, InternalAuth
 from shared.rpc.channels import ChannelPool
 from shared.telemetry import attributes as A
 from shared.telemetry.propagation import current_trace_metadata
@@ -48,13 +49,14 @@ class GrpcBackend:
         models: list[ModelInfo],
         transfer_deadline_s: float,
         tracer: trace.Tracer | None = None,
+        auth: InternalAuth = NO_AUTH,
     ):
         self.registry = registry
         self._tracer = tracer or trace.NoOpTracer()
         self._models = {m.id: m for m in models}
         self.transfer_deadline_s = transfer_deadline_s
         self.affinity = ConversationAffinity(registry.config.block_size)
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(auth)
         self._background: set[asyncio.Task] = set()
 
     def models(self) -> list[ModelInfo]:
@@ -70,6 +72,10 @@ class GrpcBackend:
                 "replica": w.replica,
                 "address": w.address,
                 "metrics_address": w.metrics_address,
+                # What this coordinator's index knows of it: equal on every coordinator that
+                # has applied the same events (the fleet's view is one).
+                "kv_event_seq": self.registry.kv.last_seq(w.worker_id),
+                "kv_blocks": self.registry.kv.num_held(w.worker_id),
             }
             for w in self.registry.workers.values()
         }

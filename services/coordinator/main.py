@@ -8,7 +8,6 @@ import os
 import signal
 from pathlib import Path
 
-import grpc
 import uvicorn
 import yaml
 from pydantic import ValidationError
@@ -28,6 +27,7 @@ from shared.modelfile.default import default_model_path
 from shared.modelfile.gguf_meta import read_gguf_config
 from shared.modelfile.hf_config import read_hf_config
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.rpc.auth import InternalAuth
 from shared.telemetry.tracing import Tracing
 from shared.tokenizer import Tokenizer
 
@@ -148,8 +148,9 @@ async def serve_coordinator(
     Service name in `coordinator.host`)."""
     infos = model_infos(config)
     check_policy(config)  # before binding anything: a bad policy should stop the start
+    auth = InternalAuth.from_config(config)
     registry = WorkerRegistry(config, {i.id: i.tokenizer.fingerprint for i in infos})
-    grpc_server = grpc.aio.server()
+    grpc_server = auth.server()
     pb_grpc.add_RegistryServicer_to_server(RegistryService(registry), grpc_server)
     c = config.coordinator
     host = bind_host or c.host
@@ -161,9 +162,9 @@ async def serve_coordinator(
         "splitserve-coordinator",
         recent_traces=playground.recent_traces if playground.enabled else 0,
     )
-    backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer)
+    backend = GrpcBackend(registry, infos, config.transfer.deadline_s, tracing.tracer, auth)
     settings = api_settings(config)
-    fleet = FleetView(registry, playground.fleet_refresh_s)
+    fleet = FleetView(registry, playground.fleet_refresh_s, auth)
     app = create_app(backend, settings, tracing, playground_sources(config, tracing, fleet))
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port or c.port, log_level="warning", lifespan="on")

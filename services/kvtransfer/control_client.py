@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,18 +114,22 @@ async def push_blocks(
     *,
     deadline_s: float,
     on_release: ReleaseCallback,
+    hold_s: float = 0.0,
 ) -> PushResult:
     """The prefill side of one transfer: prepare on decode, send, wait, report.
 
     ``on_release`` (the prefill block manager's free) runs exactly once, before this
     returns or raises. A refused PrepareReceive raises ControlPlaneError (layout mismatch,
-    decode pool full); transport outcomes come back in the result.
+    decode pool full); transport outcomes come back in the result. ``hold_s`` (fault
+    injection, tests only) waits between the receiver's reservation and the send.
     """
     try:
         prepared = await client.prepare_receive(
             request_id, len(src_block_ids), backend.metadata, deadline_s
         )
         backend.add_peer(prepared.receiver.agent_name, prepared.receiver)
+        if hold_s:
+            await asyncio.sleep(hold_s)
         handle = backend.send(request_id, src_block_ids, prepared.descriptors, deadline_s)
     except BaseException as exc:  # cancellation included: the blocks still come back
         on_release(TransferState.FAILED)

@@ -24,7 +24,7 @@ def create_transfer_backend(
     **options: Any,
 ) -> TransferBackend:
     """``options`` go to the backend's constructor (tcp: host, port, advertise_host,
-    socket_buffer_bytes). NIXL is imported only when asked for."""
+    socket_buffer_bytes; tcp and shm: auth_key). NIXL is imported only when asked for."""
     common = {"registry": registry, "fence_grace_s": fence_grace_s, **options}
     if kind == "tcp":
         from services.kvtransfer.tcp import TcpTransferBackend

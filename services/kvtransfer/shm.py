@@ -42,8 +42,11 @@ class ShmTransferBackend(StreamTransferBackend):
         *,
         registry: CollectorRegistry | None = None,
         fence_grace_s: float = 2.0,
+        auth_key: bytes | None = None,
     ):
-        super().__init__(agent_name, registry=registry, fence_grace_s=fence_grace_s)
+        super().__init__(
+            agent_name, registry=registry, fence_grace_s=fence_grace_s, auth_key=auth_key
+        )
         self._socket_name = f"splitserve-kvx-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._mapped: dict[str, SharedKVPool] = {}
 

@@ -50,8 +50,10 @@ class StreamTransferBackend(TransferBackend):
     # and waits for the peer to hang up, which is the peer's promise that it stopped reading.
     sender_shutdown = socket.SHUT_RDWR
 
-    def __init__(self, agent_name: str, **kwargs):
+    def __init__(self, agent_name: str, *, auth_key: bytes | None = None, **kwargs):
+        """``auth_key``: requests are signed with it, and unsigned ones refused (wire.py)."""
         super().__init__(agent_name, **kwargs)
+        self.auth_key = auth_key
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
 
@@ -164,7 +166,7 @@ class StreamTransferBackend(TransferBackend):
                     io.conn = sock
                 try:
                     sock.settimeout(max(handle.remaining_s, 0.001))
-                    sock.sendall(wire.encode_request(req))
+                    sock.sendall(wire.encode_request(req, self.auth_key))
                     self._send_payload(handle, sock)
                     ok, message = wire.read_ack(sock)
                 except Refused as exc:
@@ -203,7 +205,13 @@ class StreamTransferBackend(TransferBackend):
         with conn:
             conn.settimeout(HEADER_TIMEOUT_S)
             try:
-                req = wire.read_request(conn)
+                req = wire.read_request(conn, self.auth_key)
+            except wire.Unauthenticated as exc:
+                log.warning(
+                    "kvtransfer %s: refused an unauthenticated transfer: %s", self.name, exc
+                )
+                self._reply(conn, False, "unauthenticated")
+                return
             except (OSError, ValueError) as exc:  # ValueError: undecodable names
                 log.warning("kvtransfer %s: dropped a bad connection: %s", self.name, exc)
                 return

@@ -8,7 +8,8 @@ stop the transfer on its own by shutting the socket, and fencing is just waiting
 local thread. Pushing also means the prefill replica frees its blocks the moment the last
 byte is acknowledged.
 
-No authentication or encryption: bind it to loopback or a private cluster network.
+No encryption: bind it to loopback or a private cluster network. With an ``auth_key`` (the
+deployment's internal token) every request header is signed, and unsigned ones refused.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ class TcpTransferBackend(StreamTransferBackend):
         socket_buffer_bytes: int | None = None,
         registry: CollectorRegistry | None = None,
         fence_grace_s: float = 2.0,
+        auth_key: bytes | None = None,
     ):
         """``socket_buffer_bytes`` pins SO_SNDBUF/SO_RCVBUF. Leave it None: setting them turns
         off the kernel's autotuning, which reaches far larger buffers (net.ipv4.tcp_rmem)
         than an explicit value may (net.core.rmem_max). Tests use a tiny one to slow a
         transfer down enough to kill a peer in the middle of it."""
-        super().__init__(agent_name, registry=registry, fence_grace_s=fence_grace_s)
+        super().__init__(
+            agent_name, registry=registry, fence_grace_s=fence_grace_s, auth_key=auth_key
+        )
         self.host = host
         self.port = port
         self.advertise_host = advertise_host or host

@@ -5,10 +5,17 @@ destination block ids (little-endian uint32), then for ``PUSH`` the raw bytes of
 block in destination order, sent only after the receiver acked the header ("ready", or a
 refusal). ``PULL`` carries no payload: the receiver copies the blocks out of the sender's
 shared-memory pool itself. Either way the receiver ends with one ack frame: done or why not.
+
+In a deployment with an internal token the request (before any payload) ends with an
+HMAC-SHA256 of everything before it, under a key derived from the token
+(shared/rpc/auth.py), and flag FLAG_AUTHENTICATED set: a receiver holding a key refuses a
+request without a valid one, so nobody who merely reaches the port writes into a KV pool.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
 import struct
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ _ACK = struct.Struct("<4sBH")
 # Refuse frames no real transfer needs; a garbage header must not make us allocate GiBs.
 MAX_BLOCKS = 1 << 22
 MAX_NAME_BYTES = 4096
+FLAG_AUTHENTICATED = 1
+_MAC_BYTES = hashlib.sha256().digest_size
 
 
 class Kind(IntEnum):
@@ -34,6 +43,10 @@ class Kind(IntEnum):
 
 class ProtocolError(ConnectionError):
     """The peer sent something that is not this protocol."""
+
+
+class Unauthenticated(ProtocolError):
+    """The request lacks a valid MAC under this deployment's key."""
 
 
 @dataclass(frozen=True)
@@ -50,33 +63,43 @@ class TransferRequest:
         return len(self.dst_ids) * self.block_bytes if self.kind is Kind.PUSH else 0
 
 
-def encode_request(req: TransferRequest) -> bytes:
+def encode_request(req: TransferRequest, key: bytes | None = None) -> bytes:
     rid = req.request_id.encode()
     sender = req.sender.encode()
     if len(rid) > MAX_NAME_BYTES or len(sender) > MAX_NAME_BYTES:
         raise ValueError("request id or sender name too long for the wire")
     if len(req.src_ids) != len(req.dst_ids) or not 0 < len(req.dst_ids) <= MAX_BLOCKS:
         raise ValueError(f"bad block lists: {len(req.src_ids)} source, {len(req.dst_ids)} dest")
+    flags = FLAG_AUTHENTICATED if key is not None else 0
     header = _REQUEST.pack(
-        _REQUEST_MAGIC, req.kind, 0, len(rid), len(sender), len(req.dst_ids), req.block_bytes
+        _REQUEST_MAGIC, req.kind, flags, len(rid), len(sender), len(req.dst_ids), req.block_bytes
     )
     ids = np.asarray(req.src_ids + req.dst_ids, dtype="<u4").tobytes()
-    return header + rid + sender + ids
+    signed = header + rid + sender + ids
+    return signed + _mac(key, signed) if key is not None else signed
 
 
-def read_request(sock: socket.socket) -> TransferRequest:
-    magic, kind, _, rid_len, sender_len, n, block_bytes = _REQUEST.unpack(
-        recv_exact(sock, _REQUEST.size)
-    )
+def _mac(key: bytes, signed: bytes) -> bytes:
+    return hmac.new(key, signed, hashlib.sha256).digest()
+
+
+def read_request(sock: socket.socket, key: bytes | None = None) -> TransferRequest:
+    """The next request; with `key`, Unauthenticated unless it carries a valid MAC."""
+    head = recv_exact(sock, _REQUEST.size)
+    magic, kind, flags, rid_len, sender_len, n, block_bytes = _REQUEST.unpack(head)
     if magic != _REQUEST_MAGIC:
         raise ProtocolError(f"bad request magic {magic!r}")
     if kind not in (Kind.PUSH, Kind.PULL) or not 0 < n <= MAX_BLOCKS:
         raise ProtocolError(f"bad request header: kind={kind} blocks={n}")
     if rid_len > MAX_NAME_BYTES or sender_len > MAX_NAME_BYTES:
         raise ProtocolError("request id or sender name too long")
-    rid = recv_exact(sock, rid_len).decode()
-    sender = recv_exact(sock, sender_len).decode()
-    ids = np.frombuffer(recv_exact(sock, 8 * n), dtype="<u4").tolist()
+    body = recv_exact(sock, rid_len + sender_len + 8 * n)
+    tag = recv_exact(sock, _MAC_BYTES) if flags & FLAG_AUTHENTICATED else None
+    if key is not None and (tag is None or not hmac.compare_digest(tag, _mac(key, head + body))):
+        raise Unauthenticated("the request carries no valid MAC under this deployment's key")
+    rid = body[:rid_len].decode()
+    sender = body[rid_len : rid_len + sender_len].decode()
+    ids = np.frombuffer(body[rid_len + sender_len :], dtype="<u4").tolist()
     return TransferRequest(Kind(kind), rid, sender, block_bytes, tuple(ids[:n]), tuple(ids[n:]))
 
 

@@ -11,17 +11,19 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TextIO
 
 import services
+from services.launcher.internal_token import TOKEN_FILE, with_internal_token
 from services.launcher.ports import pick_free_ports, resolve_ports
 from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
 from services.launcher.readiness import health_probe, probe, wait_until_ready
 from services.launcher.supervisor import ServiceGaveUp, Supervisor
 from shared.config.roles import WORKER_ROLES, WorkerRole
-from shared.config.schema import DeploymentConfig, dump_config
+from shared.config.schema import ConfigError, DeploymentConfig, dump_config
+from shared.rpc.auth import InternalAuth
 
 COORDINATOR = "coordinator"
 _SERVE = (sys.executable, "-m", "services.cli", "serve")
@@ -36,6 +38,36 @@ class WorkerSlot:
     role: WorkerRole
     index: int
     name: str
+
+
+@dataclass(frozen=True)
+class CoordinatorSlot:
+    """One coordinator process: `coordinator`, then `coordinator-1`, … when there are several."""
+
+    name: str
+    host: str  # where to connect to it
+    port: int  # HTTP
+    registry_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def coordinator_slots(config: DeploymentConfig) -> list[CoordinatorSlot]:
+    """Every coordinator of a resolved config; the extra ones' HTTP ports are chosen now (the
+    workers need only their registry ports, which the config lists)."""
+    c = config.coordinator
+    host = _connect_host(c.host)
+    slots = [CoordinatorSlot(COORDINATOR, host, c.port, c.registry_port)]
+    if c.replicas > 1:
+        http_ports = pick_free_ports(c.replicas - 1, host)
+        for i, (endpoint, port) in enumerate(
+            zip(c.registry_endpoints[1:], http_ports, strict=True), 1
+        ):
+            registry_port = int(endpoint.rpartition(":")[2])
+            slots.append(CoordinatorSlot(f"{COORDINATOR}-{i}", host, port, registry_port))
+    return slots
 
 
 def worker_slots(config: DeploymentConfig) -> list[WorkerSlot]:
@@ -68,7 +100,19 @@ def resolve_config(config: DeploymentConfig, cpus: int | None = None) -> Deploym
     The result is written to the file every child reads, so nothing below the launcher has to
     guess (or re-read the environment) to get the same answer.
     """
-    config = resolve_ports(config, _connect_host(config.coordinator.host))
+    host = _connect_host(config.coordinator.host)
+    config = resolve_ports(config, host)
+    c = config.coordinator
+    if c.replicas > 1:
+        if c.registry_endpoints:
+            raise ConfigError(
+                "coordinator.registry_endpoints: leave it empty with coordinator.replicas > 1 "
+                "(splitserve up lists the registries of the coordinators it starts)"
+            )
+        extra = pick_free_ports(c.replicas - 1, host)
+        endpoints = [f"{host}:{c.registry_port}", *(f"{host}:{p}" for p in extra)]
+        update = {"registry_endpoints": tuple(endpoints)}
+        config = config.model_copy(update={"coordinator": c.model_copy(update=update)})
     threads = default_threads(config, cpus)
     models = [
         m
@@ -79,25 +123,35 @@ def resolve_config(config: DeploymentConfig, cpus: int | None = None) -> Deploym
     return config.model_copy(update={"models": models})
 
 
-def service_specs(config: DeploymentConfig, config_path: Path) -> list[ServiceSpec]:
-    """The coordinator first, then every worker; `config` must already be resolved."""
+def service_specs(
+    config: DeploymentConfig,
+    config_path: Path,
+    coordinators: list[CoordinatorSlot] | None = None,
+) -> list[ServiceSpec]:
+    """The coordinators first, then every worker; `config` must already be resolved."""
     return [
-        coordinator_spec(config, config_path),
+        *(
+            coordinator_spec(config, config_path, c)
+            for c in coordinators or coordinator_slots(config)
+        ),
         *(worker_spec(config, config_path, slot) for slot in worker_slots(config)),
     ]
 
 
-def coordinator_spec(config: DeploymentConfig, config_path: Path) -> ServiceSpec:
+def coordinator_spec(
+    config: DeploymentConfig, config_path: Path, slot: CoordinatorSlot
+) -> ServiceSpec:
     # The coordinator does no tensor work; it only has to stay out of the workers' cores.
     threads = min(m.worker.threads or default_threads(config) for m in config.models)
-    c = config.coordinator
-    health_url = f"http://{_connect_host(c.host)}:{c.port}/health"
+    argv = [*_SERVE, COORDINATOR, "--config", str(config_path)]
+    if slot.name != COORDINATOR:  # the first one's ports are the config's own
+        argv += ["--port", str(slot.port), "--registry-port", str(slot.registry_port)]
     return ServiceSpec(
-        COORDINATOR,
-        [*_SERVE, COORDINATOR, "--config", str(config_path)],
+        slot.name,
+        argv,
         _child_env(threads),
         stop_last=True,
-        ready=partial(probe, health_url),
+        ready=partial(probe, f"{slot.url}/health"),
     )
 
 
@@ -143,12 +197,18 @@ class LocalStack:
     """A running local deployment. Use as a context manager, or call `stop()`."""
 
     def __init__(
-        self, config: DeploymentConfig, run_dir: Path, config_path: Path, group: ProcessGroup
+        self,
+        config: DeploymentConfig,
+        run_dir: Path,
+        config_path: Path,
+        group: ProcessGroup,
+        coordinators: list[CoordinatorSlot] | None = None,
     ):
         self.config = config  # resolved: real ports, threads filled in
         self.run_dir = run_dir
         self.config_path = config_path
         self.group = group
+        self.coordinators = coordinators or coordinator_slots(config)
         self.workers = worker_slots(config)
         self.supervisor: Supervisor | None = None  # set once started, if supervised
         self._stopped = False
@@ -172,12 +232,22 @@ class LocalStack:
         return f"http://{self.host}:{self.config.coordinator.port}/ready"
 
     @property
+    def coordinator_urls(self) -> list[str]:
+        """Every coordinator's root, the first one (`url`) first."""
+        return [c.url for c in self.coordinators]
+
+    @property
     def registry_address(self) -> str:
         return f"{self.host}:{self.config.coordinator.registry_port}"
 
     @property
     def processes(self) -> dict[str, ServiceProcess]:
         return self.group.processes
+
+    @cached_property
+    def internal_auth(self) -> InternalAuth:
+        """What a call to one of the stack's services must carry (tests, benchmarks)."""
+        return InternalAuth.from_config(self.config)
 
     @property
     def failure(self) -> ServiceGaveUp | None:
@@ -209,6 +279,7 @@ class LocalStack:
             if self.supervisor is not None:
                 self.supervisor.close()
             self.config_path.unlink(missing_ok=True)
+            (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> LocalStack:
         return self
@@ -236,20 +307,27 @@ def start_local_stack(
     failing to start or refused to (ServiceGaveUp); `supervise=False`: any exit is final, for
     tests that need a killed worker to stay gone.
     """
-    resolved = resolve_config(config)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = with_internal_token(resolve_config(config), run_dir)
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(resolved))
-    stack = LocalStack(resolved, run_dir, config_path, ProcessGroup(run_dir, echo))
+    coordinators = coordinator_slots(resolved)
+    stack = LocalStack(resolved, run_dir, config_path, ProcessGroup(run_dir, echo), coordinators)
     try:
-        for spec in service_specs(resolved, config_path):
+        for spec in service_specs(resolved, config_path, coordinators):
             stack.group.start(spec)
         if supervise:  # from the first start: a crash while starting is retried too
             stack.supervise(started=False)
-        wait_until_ready(
-            stack.ready_url, stack.group, startup_timeout_s, cancel=cancel, check=stack.check_alive
-        )
+        # Every coordinator ready: each one can route (workers register with each).
+        for url in stack.coordinator_urls:
+            wait_until_ready(
+                f"{url}/ready",
+                stack.group,
+                startup_timeout_s,
+                cancel=cancel,
+                check=stack.check_alive,
+            )
     except BaseException:
         stack.stop()
         raise

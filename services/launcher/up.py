@@ -17,7 +17,7 @@ from services.launcher.processes import ServiceDied
 from services.launcher.readiness import StartupCancelled, StartupTimeout
 from services.launcher.stack import LocalStack, start_local_stack
 from services.launcher.supervisor import ServiceGaveUp
-from shared.config.schema import DeploymentConfig
+from shared.config.schema import ConfigError, DeploymentConfig
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A service that dies in the same instant as a Ctrl-C (the terminal signals the whole process
@@ -43,11 +43,15 @@ def run_up(
             return _error(err, f"{exc.message} (before splitserve was ready)")
         except ServiceDied as exc:
             return _error(err, f"{exc.name} exited before splitserve was ready: {_rest(exc)}")
-        except StartupTimeout as exc:
+        except (StartupTimeout, ConfigError) as exc:
             return _error(err, str(exc))
         with stack:
             models = ", ".join(m.id for m in stack.config.models)
             print(f"splitserve is ready: {stack.base_url} (model: {models})", file=out, flush=True)
+            for coordinator in stack.coordinators[1:]:  # same workers, same view
+                print(
+                    f"also serving: {coordinator.url}/v1 ({coordinator.name})", file=err, flush=True
+                )
             if stack.config.playground.enabled:
                 print(f"playground: {stack.url}/playground/", file=err, flush=True)
             print(f"logs: {stack.run_dir}", file=err, flush=True)

@@ -39,7 +39,7 @@ _REFUSALS = (
 class PrefillService:
     def __init__(self, runtime: WorkerRuntime):
         self.runtime = runtime
-        self._channels = ChannelPool()  # to the decode replicas' control planes
+        self._channels = ChannelPool(runtime.auth)  # to the decode replicas' control planes
         self._background: set[asyncio.Task] = set()  # aborts sent on cancellation
 
     def _client(self, address: str) -> KvTransferControlClient:
@@ -132,6 +132,7 @@ class PrefillService:
                 block_ids,
                 deadline_s=dest.deadline_s or self.runtime.config.transfer.deadline_s,
                 on_release=release,
+                hold_s=self.runtime.faults.kv_push_hold_ms / 1e3,
             )
             outcome.status = result.receiver_state.value
             outcome.error = result.error

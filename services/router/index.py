@@ -137,6 +137,10 @@ class KVIndex:
         view = self._replicas.get(replica)
         return dict(view.held) if view else {}
 
+    def num_held(self, replica: str) -> int:
+        view = self._replicas.get(replica)
+        return len(view.held) if view else 0
+
     def holders(self, block_hash: int) -> dict[str, KVTier]:
         return dict(self._holders.get(block_hash, {}))
 

@@ -1,4 +1,5 @@
-"""A worker's side of the registry: register, heartbeat with load, publish KV events.
+"""A worker's side of one coordinator's registry: register, heartbeat with load, publish KV
+events (services/worker/registrations.py keeps one of these per coordinator).
 
 Registration is refused when the worker's model, tokenizer or block size disagree with the
 coordinator's config; the worker then exits with the coordinator's reason. A heartbeat the
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+from collections.abc import Callable
 
 import grpc
 
@@ -45,12 +46,18 @@ class RegistryClient:
         registry_address: str,
         worker_address: str,
         metrics_address: str = "",
+        pump: Callable[[], None] = lambda: None,
     ):
         self.runtime = runtime
+        self.registry_address = registry_address
         self.worker_address = worker_address
         self.metrics_address = metrics_address
+        # Moves the engine's new KV events into `pending` of every coordinator's client.
+        self._pump = pump
+        self.pending: list[KVEvent] = []
+        self.registered = False  # accepted once; from then on `pending` fills
         # The coordinator may restart: re-register within a second of it being back.
-        self._channel = grpc.aio.insecure_channel(registry_address, options=RECONNECT_OPTIONS)
+        self._channel = runtime.auth.channel(registry_address, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.RegistryStub(self._channel)
         self.interval_s = runtime.config.coordinator.heartbeat_interval_s
         self._last_seq = 0
@@ -77,9 +84,12 @@ class RegistryClient:
             replica=rt.replica,
         )
 
-    async def register(self, attempts: int = 600) -> None:
-        """Retry until the coordinator answers (it may start after us); refusal is final."""
-        for _ in range(attempts):
+    async def register(self, attempts: int | None = 600) -> None:
+        """Retry until the coordinator answers (it may start after us; None: however long
+        that takes); refusal is final."""
+        tried = 0
+        while attempts is None or tried < attempts:
+            tried += 1
             try:
                 resp = await self._stub.Register(self._register_request(), timeout=5.0)
             except grpc.aio.AioRpcError as exc:
@@ -90,8 +100,13 @@ class RegistryClient:
             if not resp.accepted:
                 raise RegistrationRefused(resp.reason)
             self.interval_s = resp.heartbeat_interval_s or self.interval_s
+            self.registered = True
             await self.publish_snapshot()
-            log.info("registered %s with the coordinator", self.runtime.worker_id)
+            log.info(
+                "registered %s with the coordinator at %s",
+                self.runtime.worker_id,
+                self.registry_address,
+            )
             return
         raise RegistrationRefused("the coordinator's registry never answered")
 
@@ -103,7 +118,7 @@ class RegistryClient:
             if resp is None:
                 continue
             if not resp.known:
-                await self.register()
+                await self.register(attempts=None)
             elif resp.resync_from_seq:
                 await self.publish_snapshot()
 
@@ -120,7 +135,7 @@ class RegistryClient:
                 timeout=max(1.0, self.interval_s),
             )
         except grpc.aio.AioRpcError as exc:
-            log.warning("heartbeat failed: %s", exc.details())
+            log.warning("heartbeat to %s failed: %s", self.registry_address, exc.details())
             return None
 
     async def announce_draining(self) -> None:
@@ -128,16 +143,9 @@ class RegistryClient:
         self.draining = True
         await self.heartbeat()
 
-    def _drain(self) -> list[KVEvent]:
-        events = []
-        while True:
-            try:
-                events.append(self.runtime.kv_events.get_nowait())
-            except queue.Empty:
-                return events
-
     async def publish_pending(self) -> None:
-        events = self._drain()
+        self._pump()
+        events, self.pending = self.pending, []
         if not events:
             return
         batch = pb.KVEventBatch(
@@ -149,7 +157,7 @@ class RegistryClient:
 
     async def publish_snapshot(self) -> None:
         """Everything cached, per tier, replacing what the coordinator knew about us."""
-        self._drain()  # superseded by the snapshot
+        self._pump()
         # The sequence number is read on the engine thread with the hashes, so no event can
         # fall between them: later events number past the snapshot and are applied on top.
         cached, seq = await self.runtime.async_engine.call(
@@ -164,6 +172,8 @@ class RegistryClient:
                 if hashes or tier == "device"  # one event even when empty: it carries seq
             ],
         )
+        # What was pending up to `seq` is in the snapshot; what came after goes on top.
+        self.pending = [e for e in self.pending if e.seq > seq]
         await self._send([batch])
         self._last_seq = seq
 
@@ -175,7 +185,9 @@ class RegistryClient:
         try:
             await self._stub.PublishKVEvents(stream(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            log.warning("publishing KV events failed: %s", exc.details())
+            log.warning(
+                "publishing KV events to %s failed: %s", self.registry_address, exc.details()
+            )
 
     async def close(self) -> None:
         await self._channel.close()

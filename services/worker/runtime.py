@@ -24,6 +24,7 @@ from shared.kvcache.events import KVEvent
 from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.kvcache.tables import BlockTable
 from shared.modelfile.default import default_model_path
+from shared.rpc.auth import InternalAuth
 from shared.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class WorkerRuntime:
         self.config = config
         self.model_cfg: ModelDeployment = config.model(model_id)
         self.role = role
+        # First: a missing token file should stop the start before the model loads.
+        self.auth = InternalAuth.from_config(config)
         # The replica keeps its name across restarts (host name too: a pod's container
         # restarts in the same pod); worker_id names this process of it, so a restarted
         # replica is a new transfer peer that nothing cached about the old one can match.
@@ -150,7 +153,9 @@ class WorkerRuntime:
             # installs it between two steps, without a restart (shared/engine/draft_swap.py).
             self.engine.watch_draft_file(spec.draft_path)
         self.async_engine = AsyncEngine(self.engine)
-        options = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
+        options: dict = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}
+        if self.transfer_kind in ("tcp", "shm"):  # NIXL's handshake is UCX's own
+            options["auth_key"] = self.auth.transfer_key
         self.transfer: TransferBackend = create_transfer_backend(
             self.transfer_kind, self.worker_id, **options
         )

@@ -18,7 +18,8 @@ from services.decode.service import DecodeService, DecodeTransferControl
 from services.kvtransfer.control import add_control_servicer
 from services.prefill.service import PrefillService
 from services.worker.arrivals import Stage
-from services.worker.registration import RegistrationRefused, RegistryClient
+from services.worker.registration import RegistrationRefused
+from services.worker.registrations import Registrations
 from services.worker.runtime import WorkerRuntime
 from services.worker_server.health import WorkerHealth
 from shared.config.roles import can_decode, can_prefill
@@ -131,7 +132,7 @@ async def serve_worker(
         config, runtime.engine, worker_id=runtime.worker_id, role=role, model=model_id
     )
     runtime.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = runtime.auth.server(options=[("grpc.so_reuseport", 0)])
     control = DecodeTransferControl(runtime) if can_decode(role) else None
     servicer = WorkerServicer(runtime, telemetry, control)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -142,15 +143,17 @@ async def serve_worker(
     port = server.add_insecure_port(f"{config.worker_host}:{port}")
     await server.start()
     address = f"{config.worker_host}:{port}"
-    registry_address = f"{config.coordinator.host}:{config.coordinator.registry_port}"
-    registry = RegistryClient(runtime, registry_address, address, telemetry.metrics_address)
+    c = config.coordinator
+    registry = Registrations(
+        runtime, c.registries, address, telemetry.metrics_address, c.registry_resolve_interval_s
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = []
     try:
-        await registry.register()
+        await registry.start()
         await health.serving()
         log.info(
             "worker %s serving on %s (metrics on http://%s/metrics)",
@@ -158,10 +161,7 @@ async def serve_worker(
             address,
             telemetry.metrics_address,
         )
-        tasks = [
-            asyncio.create_task(registry.heartbeat_forever()),
-            asyncio.create_task(runtime.expire_parked_forever()),
-        ]
+        tasks = [asyncio.create_task(runtime.expire_parked_forever())]
         await stop.wait()
         # Heartbeats go on while draining: the coordinator keeps the replica (its streams
         # are still running) but routes nothing new to it.
@@ -180,7 +180,7 @@ async def serve_worker(
         await asyncio.to_thread(telemetry.close)
 
 
-async def drain(servicer: WorkerServicer, registry: RegistryClient, grace_s: float) -> None:
+async def drain(servicer: WorkerServicer, registry: Registrations, grace_s: float) -> None:
     """Stop being routed to, then wait (at most `grace_s`) for the running streams to end.
 
     The server keeps accepting calls meanwhile: a request routed here just before the

@@ -19,9 +19,16 @@ class FaultInjection(BaseModel):
         description="TEST ONLY: hold every request this long before its first token is computed",
     )
 
+    kv_push_hold_ms: int = Field(
+        0,
+        ge=0,
+        description="TEST ONLY: hold every KV push this long once the decode replica has "
+        "reserved its blocks, before any byte moves (a window to kill a transfer's receiver)",
+    )
+
     @property
     def active(self) -> bool:
-        return self.first_token_delay_ms > 0
+        return self.first_token_delay_ms > 0 or self.kv_push_hold_ms > 0
 
     @property
     def first_token_delay_s(self) -> float:

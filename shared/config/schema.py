@@ -107,12 +107,49 @@ class CoordinatorConfig(_Strict):
     max_migrations: int = Field(
         2, ge=0, description="moves of one stream to another decode replica before giving up"
     )
+    replicas: int = Field(
+        1, ge=1, description="coordinator processes `splitserve up` runs (the chart: its own)"
+    )
+    registry_endpoints: tuple[str, ...] = Field(
+        (),
+        description="host:port of the coordinators' registry; every worker registers with "
+        "every address each one resolves to (a headless Service: every pod), re-resolved "
+        "every registry_resolve_interval_s. Empty: host:registry_port",
+    )
+    registry_resolve_interval_s: float = Field(
+        5.0, gt=0, description="how often workers look the registry endpoints up again"
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> CoordinatorConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self
+
+    @field_validator("registry_endpoints")
+    @classmethod
+    def _host_port(cls, endpoints: tuple[str, ...]) -> tuple[str, ...]:
+        for endpoint in endpoints:
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"{endpoint!r} is not host:port")
+        return endpoints
+
+    @property
+    def registries(self) -> tuple[str, ...]:
+        """What workers register with (each entry may resolve to several coordinators)."""
+        return self.registry_endpoints or (f"{self.host}:{self.registry_port}",)
+
+
+class InternalAuthConfig(_Strict):
+    """How the deployment's services authenticate each other (shared/rpc/auth.py)."""
+
+    token_file: str | None = Field(
+        None,
+        description="file holding the shared token every internal gRPC call and KV-transfer "
+        "handshake must carry (UNAUTHENTICATED otherwise); None: internal calls are not "
+        "authenticated. `splitserve up` writes one per run; the chart mounts a Secret",
+    )
 
 
 class TelemetryConfig(_Strict):
@@ -177,6 +214,7 @@ class DeploymentConfig(_Strict):
         "chart's terminationGracePeriodSeconds covers it and the preStop pause)",
     )
     telemetry: TelemetryConfig = TelemetryConfig()
+    internal_auth: InternalAuthConfig = InternalAuthConfig()
     tiers: TiersConfig = TiersConfig()
     api_keys: ApiKeysConfig = ApiKeysConfig()
     prices: Prices = Field(default_factory=dict, validate_default=True)

@@ -14,6 +14,8 @@ from typing import TypeVar
 
 import grpc
 
+from shared.rpc.auth import NO_AUTH, InternalAuth
+
 S = TypeVar("S")
 
 # A peer that restarts comes back within seconds, often at the same address (a pod keeps its
@@ -27,14 +29,15 @@ RECONNECT_OPTIONS = (
 
 
 class ChannelPool:
-    def __init__(self) -> None:
+    def __init__(self, auth: InternalAuth = NO_AUTH) -> None:
+        self._auth = auth  # every channel carries the deployment's token, if it has one
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[str, Callable], object] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+            channel = self._auth.channel(address, options=RECONNECT_OPTIONS)
             self._channels[address] = channel
         return channel
 

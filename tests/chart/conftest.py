@@ -17,7 +17,15 @@ CHART = ROOT / "helm" / "splitserve"
 VALUES = Path(__file__).parent / "values"
 RELEASE, NAMESPACE = "rel", "serving"
 # The values sets every structural test runs over: the defaults and the files in values/.
-VALUE_SETS = ("default", "two-models", "planner", "existing-secret", "everything", "policy")
+VALUE_SETS = (
+    "default",
+    "two-models",
+    "planner",
+    "existing-secret",
+    "everything",
+    "policy",
+    "coordinators",
+)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ def test_config_yaml_validates_with_the_projects_schema(value_set):
     assert config.coordinator.host == REGISTRY_HOST
     registry = rendered.get("Service", "rel-splitserve-coordinator-registry")
     assert registry["spec"]["publishNotReadyAddresses"] is True
+    # Headless: the name resolves to every coordinator pod, and workers register with each.
+    assert registry["spec"]["clusterIP"] == "None"
+    assert config.coordinator.registries == (f"{REGISTRY_HOST}:{config.coordinator.registry_port}",)
     assert registry["spec"]["ports"][0]["port"] == config.coordinator.registry_port
     coordinator = rendered.get("Deployment", "rel-splitserve-coordinator")
     ports = {p["name"]: p["containerPort"] for p in _container(coordinator)["ports"]}
@@ -137,3 +140,20 @@ def test_the_playground_is_off_unless_the_values_turn_it_on():
     # On by default for `splitserve up`, off in a cluster: the chart says so explicitly.
     config = parse_config(yaml.safe_load(render("default").config_yaml()))
     assert config.playground.enabled is False
+
+
+def test_several_coordinators_share_the_workers_through_the_headless_registry():
+    rendered = render("coordinators")
+    config = parse_config(yaml.safe_load(rendered.config_yaml()))
+    assert rendered.get("Deployment", "rel-splitserve-coordinator")["spec"]["replicas"] == 3
+    assert config.coordinator.registry_resolve_interval_s == 3
+    assert config.coordinator.registries == (f"{REGISTRY_HOST}:50151",)
+    registry = rendered.get("Service", "rel-splitserve-coordinator-registry")
+    assert registry["spec"]["selector"] == _container_selector(rendered)
+    pdb = rendered.get("PodDisruptionBudget", "rel-splitserve-coordinator")
+    assert pdb["spec"]["maxUnavailable"] == 1  # a rollout keeps the others serving
+
+
+def _container_selector(rendered) -> dict:
+    deployment = rendered.get("Deployment", "rel-splitserve-coordinator")
+    return deployment["spec"]["selector"]["matchLabels"]

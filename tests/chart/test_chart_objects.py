@@ -4,6 +4,7 @@ keys only from Secrets, the dashboard for Grafana's sidecar."""
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import shutil
 import tomllib
@@ -246,3 +247,56 @@ def test_image_repository_points_at_a_registry():
     for name, spec in pod_specs(pushed):
         images = {c["image"] for c in spec["containers"]}
         assert images == {f"registry.example:5000/ml/splitserve:{version}"}, name
+
+
+@pytest.mark.parametrize(
+    ("value_set", "secret", "key"),
+    [
+        ("default", "rel-splitserve-internal-token", "token"),
+        ("existing-secret", "splitserve-internal", "token.txt"),
+    ],
+)
+def test_the_internal_token_is_mounted_into_every_coordinator_and_worker(value_set, secret, key):
+    rendered = render(value_set)
+    config = yaml.safe_load(rendered.config_yaml())
+    assert config["internal_auth"] == {"token_file": "/etc/splitserve-internal/token"}
+    services = [(n, s) for n, s in pod_specs(rendered) if not n.endswith(("planner", "test-chat"))]
+    assert len(services) == 3  # the coordinator and the two pools
+    for _, spec in services:
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        source = volumes["internal-token"]["secret"]
+        assert source["secretName"] == secret and source["items"] == [{"key": key, "path": "token"}]
+        (mount,) = [
+            m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "internal-token"
+        ]
+        assert mount == {"name": "internal-token", "mountPath": "/etc/splitserve-internal",
+                         "readOnly": True}  # fmt: skip
+    if value_set == "default":  # generated: random, 64 characters
+        generated = rendered.get("Secret", secret)["data"][key]
+        assert len(base64.b64decode(generated)) == 64
+
+
+def test_without_internal_auth_no_token_is_mounted_or_configured():
+    rendered = render("everything")
+    assert "internal_auth" not in yaml.safe_load(rendered.config_yaml())
+    for name, spec in pod_specs(rendered):
+        assert "internal-token" not in {v["name"] for v in spec.get("volumes", [])}, name
+
+
+def test_network_policies_are_on_by_default_and_admit_only_the_releases_services():
+    policies = {p["metadata"]["name"]: p for p in render("default").of_kind("NetworkPolicy")}
+    assert set(policies) == {"rel-splitserve-coordinator", "rel-splitserve-workers"}
+    workers_policy = policies["rel-splitserve-workers"]["spec"]
+    assert workers_policy["policyTypes"] == ["Ingress"]
+    (rule,) = workers_policy["ingress"]
+    (peer,) = rule["from"]
+    expressions = {e["key"]: e["values"] for e in peer["podSelector"]["matchExpressions"]}
+    assert expressions == {
+        "app.kubernetes.io/instance": ["rel"],
+        "app.kubernetes.io/name": ["splitserve"],
+        "app.kubernetes.io/component": ["coordinator", "prefill", "decode"],
+    }
+    assert "namespaceSelector" not in peer  # this namespace only
+    _, registry = policies["rel-splitserve-coordinator"]["spec"]["ingress"]
+    components = registry["from"][0]["podSelector"]["matchExpressions"][2]["values"]
+    assert components == ["prefill", "decode"]

@@ -73,6 +73,7 @@ INVALID = {
     "planner-min-zero": "/planner/min/prefill",
     "block-size": "/config/block_size",
     "drain-longer-than-grace": "workers.terminationGracePeriodSeconds (120) must be at least",
+    "internal-auth-key": "/internalAuth/secretKey",
 }
 
 

@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 
-import grpc
 import httpx
 import pytest
 
@@ -42,8 +41,8 @@ def _workers(stack) -> dict[str, str]:
     return {wid: w["address"] for wid, w in health["workers"].items() if w["alive"]}
 
 
-def _stats(address: str) -> dict:
-    with grpc.insecure_channel(address) as channel:
+def _stats(stack, address: str) -> dict:
+    with stack.internal_auth.sync_channel(address) as channel:
         return json.loads(pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).json)
 
 
@@ -58,10 +57,10 @@ def _body(content: str, max_tokens: int, **extra) -> dict:
     }
 
 
-def _wait_settled(workers: dict[str, str], start: dict[str, int]) -> dict[str, dict]:
+def _wait_settled(stack, workers: dict[str, str], start: dict[str, int]) -> dict[str, dict]:
     deadline = time.monotonic() + SETTLE_S
     while True:
-        stats = {wid: _stats(addr) for wid, addr in workers.items()}
+        stats = {wid: _stats(stack, addr) for wid, addr in workers.items()}
         if all(_idle(s, start[wid]) for wid, s in stats.items()):
             return stats
         if time.monotonic() > deadline:
@@ -97,7 +96,7 @@ async def _leave_during_prefill(stack, prefill_address: str) -> dict:
         busy = {}
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not task.done():
-            busy = await asyncio.to_thread(_stats, prefill_address)
+            busy = await asyncio.to_thread(_stats, stack, prefill_address)
             if busy["load"]["running"] or busy["load"]["waiting"]:
                 break
             await asyncio.sleep(0.02)
@@ -110,15 +109,15 @@ async def _leave_during_prefill(stack, prefill_address: str) -> dict:
 
 def test_disconnects_free_every_workers_blocks(stack):
     workers = _workers(stack)
-    start = {wid: _stats(addr)["load"]["free_blocks"] for wid, addr in workers.items()}
+    start = {wid: _stats(stack, addr)["load"]["free_blocks"] for wid, addr in workers.items()}
     (prefill_address,) = [a for wid, a in workers.items() if "-prefill-" in wid]
 
     busy = asyncio.run(_leave_during_prefill(stack, prefill_address))
     assert busy["load"]["running"] or busy["load"]["waiting"], "never caught the prefill busy"
-    _wait_settled(workers, start)
+    _wait_settled(stack, workers, start)
 
     (decode_address,) = [a for wid, a in workers.items() if "-decode-" in wid]
-    before = _stats(decode_address)
+    before = _stats(stack, decode_address)
     with httpx.stream(
         "POST",
         f"{stack.base_url}/chat/completions",
@@ -131,14 +130,14 @@ def test_disconnects_free_every_workers_blocks(stack):
             if chunks == 5:
                 break  # leaving the block closes the connection mid-decode
     assert chunks == 5
-    stats = _wait_settled(workers, start)
+    stats = _wait_settled(stack, workers, start)
     # The abort itself: the decode engine counted it, stopped long before the request's
     # budget, and steps no more.
     decode = stats[next(w for w, a in workers.items() if a == decode_address)]
     assert decode["aborted"] == before["aborted"] + 1
     assert decode["steps"] - before["steps"] < LONG // 2
     time.sleep(0.5)
-    assert _stats(decode_address)["steps"] == decode["steps"]
+    assert _stats(stack, decode_address)["steps"] == decode["steps"]
 
     # Nothing hangs: the stack still serves, and is idle again afterwards.
     r = httpx.post(
@@ -147,4 +146,4 @@ def test_disconnects_free_every_workers_blocks(stack):
         timeout=60,
     )
     assert r.status_code == 200, r.text
-    _wait_settled(workers, start)
+    _wait_settled(stack, workers, start)

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import grpc
 import httpx
 import pytest
 
@@ -223,15 +222,15 @@ def _workers(stack) -> dict[str, str]:
     return {wid: w["address"] for wid, w in health["workers"].items() if w["alive"]}
 
 
-def _load(address: str) -> dict:
-    with grpc.insecure_channel(address) as channel:
+def _load(stack, address: str) -> dict:
+    with stack.internal_auth.sync_channel(address) as channel:
         stats = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
     return json.loads(stats.json)["load"]
 
 
 def test_stop_cancels_the_request_on_the_workers(stack, page):
     workers = _workers(stack)
-    free = {w: _load(a)["free_blocks"] for w, a in workers.items()}
+    free = {w: _load(stack, a)["free_blocks"] for w, a in workers.items()}
     page.locator("#max-tokens").fill("1000")  # within this small KV pool
     page.locator("#temperature").fill("0.8")
     page.locator("#clear-chat").click()
@@ -240,14 +239,14 @@ def test_stop_cancels_the_request_on_the_workers(stack, page):
         lambda: len(reply.locator(".text").text_content()) > 20,
         lambda: f"the reply to stream; the page shows {page.locator('main').inner_text()!r}",
     )
-    busy = {w: _load(a) for w, a in workers.items()}
+    busy = {w: _load(stack, a) for w, a in workers.items()}
     assert any(load["running"] for load in busy.values()), busy
     page.locator("#prompt").press("Escape")  # the keyboard's Stop
     reply.locator(".figures").wait_for()
     assert "stopped" in reply.get_attribute("class")
     deadline = time.monotonic() + SETTLE_S
     while True:
-        loads = {w: _load(a) for w, a in workers.items()}
+        loads = {w: _load(stack, a) for w, a in workers.items()}
         if all(
             load["running"] == 0 and load["free_blocks"] == free[w] for w, load in loads.items()
         ):

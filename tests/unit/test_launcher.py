@@ -32,13 +32,14 @@ from services.launcher.readiness import (
     wait_until_ready,
 )
 from services.launcher.stack import (
+    coordinator_slots,
     resolve_config,
     service_specs,
     start_local_stack,
     worker_slots,
 )
 from services.launcher.up import run_up
-from shared.config.schema import load_config, parse_config
+from shared.config.schema import ConfigError, load_config, parse_config
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -277,7 +278,7 @@ def test_killing_the_launcher_with_sigkill_leaves_no_orphans(children, tmp_path)
 def test_start_local_stack_serves_until_stopped_and_cleans_up(monkeypatch, children, tmp_path):
     marker = tmp_path / "terminated.txt"
 
-    def test_specs(config, config_path):
+    def test_specs(config, config_path, coordinators=None):
         # The services replaced by test children; the resolved config they get is real.
         assert load_config(config_path) == config
         server = [PY, children["ready_server"], str(config.coordinator.port), "0.3"]
@@ -307,7 +308,7 @@ def test_start_local_stack_serves_until_stopped_and_cleans_up(monkeypatch, child
 def test_start_local_stack_stops_everything_when_a_service_dies(
     leftover_children, monkeypatch, children, tmp_path
 ):
-    def test_specs(config, config_path):
+    def test_specs(config, config_path, coordinators=None):
         server = [PY, children["ready_server"], str(config.coordinator.port), "1000"]
         return [
             ServiceSpec("coordinator", server, stop_last=True),
@@ -329,7 +330,7 @@ def test_a_service_crashing_while_the_stack_starts_is_restarted(monkeypatch, chi
     argv = [PY, children["sleeper"], str(marker), "decode-0"]
     sleeper = ServiceSpec("decode-0", argv, ready=lambda: (True, "sleeping"))
 
-    def test_specs(config, config_path):
+    def test_specs(config, config_path, coordinators=None):
         server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
         crash = [PY, "-c", "raise SystemExit(1)"]  # code 1: nothing a restart cannot fix
         return [
@@ -424,6 +425,28 @@ def test_service_specs_start_the_coordinator_then_every_worker(tmp_path):
     ]
 
 
+def test_several_coordinators_get_their_own_ports_and_every_worker_registers_with_each(tmp_path):
+    config = resolve_config(parse_config({"coordinator": {"replicas": 3}}), cpus=2)
+    c = config.coordinator
+    assert len(set(c.registry_endpoints)) == 3
+    assert c.registry_endpoints[0] == f"127.0.0.1:{c.registry_port}"
+    assert c.registries == c.registry_endpoints  # what every worker registers with
+    slots = coordinator_slots(config)
+    assert [s.name for s in slots] == ["coordinator", "coordinator-1", "coordinator-2"]
+    assert [f"127.0.0.1:{s.registry_port}" for s in slots] == list(c.registry_endpoints)
+    assert slots[0].port == c.port and len({s.port for s in slots}) == 3
+    specs = service_specs(config, tmp_path / "c.yaml", slots)
+    assert [s.name for s in specs[:3]] == ["coordinator", "coordinator-1", "coordinator-2"]
+    assert all(s.stop_last for s in specs[:3])
+    assert list(specs[2].argv[-4:]) == [
+        "--port", str(slots[2].port), "--registry-port", str(slots[2].registry_port),
+    ]  # fmt: skip
+    assert "--port" not in specs[0].argv  # the first one's ports are the config's
+    pinned = parse_config({"coordinator": {"replicas": 2, "registry_endpoints": ["a:1"]}})
+    with pytest.raises(ConfigError, match="leave it empty with coordinator.replicas > 1"):
+        resolve_config(pinned)
+
+
 def test_group_refuses_two_services_with_one_name(group, children, tmp_path):
     group.start(ServiceSpec("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
     with pytest.raises(ValueError, match="already"):
@@ -433,7 +456,7 @@ def test_group_refuses_two_services_with_one_name(group, children, tmp_path):
 def _fake_services(monkeypatch, children, tmp_path, worker_argv):
     """Make the stack run a ready test server as coordinator and `worker_argv` as decode-0."""
 
-    def test_specs(config, config_path):
+    def test_specs(config, config_path, coordinators=None):
         server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
         return [
             ServiceSpec("coordinator", server, stop_last=True),

@@ -55,6 +55,9 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
 {{- $_ := set $coordinator "api_keys_file" "/etc/splitserve-secrets/api-keys" -}}
 {{- end -}}
 {{- end -}}
+{{- if .Values.internalAuth.enabled -}}
+{{- $_ := set $config "internal_auth" (dict "token_file" (include "splitserve.internalTokenPath" .)) -}}
+{{- end -}}
 {{- range $key := list "telemetry" "router" "tiers" "prices" "routers" "playground" -}}
 {{- with get $root.Values.config $key }}{{ $_ := set $config $key . }}{{ end -}}
 {{- end -}}

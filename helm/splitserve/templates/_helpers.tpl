@@ -69,6 +69,15 @@ app.kubernetes.io/part-of: splitserve
 {{- printf "%s-planner" (include "splitserve.fullname" .) -}}
 {{- end -}}
 
+{{- define "splitserve.internalTokenSecretName" -}}
+{{- .Values.internalAuth.existingSecret | default (printf "%s-internal-token" (include "splitserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* Where every pod finds the internal token (config.yaml's internal_auth.token_file). */}}
+{{- define "splitserve.internalTokenPath" -}}
+/etc/splitserve-internal/token
+{{- end -}}
+
 {{- define "splitserve.apiKeysSecretName" -}}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "splitserve.fullname" .)) -}}
 {{- end -}}
@@ -115,6 +124,15 @@ imagePullSecrets:
     name: {{ include "splitserve.fullname" . }}-config
 - name: tmp
   emptyDir: {}
+{{- if .Values.internalAuth.enabled }}
+- name: internal-token
+  secret:
+    secretName: {{ include "splitserve.internalTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.internalAuth.secretKey }}
+        path: token
+{{- end }}
 {{- with .Values.modelStorage.volume }}
 - name: models
   {{- toYaml . | nindent 2 }}
@@ -128,6 +146,11 @@ imagePullSecrets:
 # The root filesystem is read-only: scratch files, caches and HOME live here.
 - name: tmp
   mountPath: /tmp
+{{- if .Values.internalAuth.enabled }}
+- name: internal-token
+  mountPath: {{ include "splitserve.internalTokenPath" . | dir }}
+  readOnly: true
+{{- end }}
 {{- if .Values.modelStorage.volume }}
 - name: models
   mountPath: {{ .Values.modelStorage.mountPath }}
