@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -24,15 +25,19 @@ def gguf_path() -> str:
     return str(path)
 
 
+# torch's thread count when the session starts (before any fixture builds an Engine).
+_SESSION_THREADS = torch.get_num_threads()
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """An Engine sets torch's thread count process-wide; a test must not leave it changed
-    for the next (bf16 GEMM rounding, for one, depends on the thread count)."""
-    import torch
-
-    threads = torch.get_num_threads()
+    for the next (bf16 GEMM rounding, for one, depends on the thread count). The count is the
+    session's first, set before each test too: a module- or session-scoped fixture that
+    builds an Engine is set up before this fixture and would otherwise pass its count on."""
+    torch.set_num_threads(_SESSION_THREADS)
     yield
-    torch.set_num_threads(threads)
+    torch.set_num_threads(_SESSION_THREADS)
 
 
 @pytest.fixture(scope="session")
