@@ -243,26 +243,31 @@ def _prefilled(
     return pool, table
 
 
-def test_native_step_equals_torch_eager_step_on_the_tiny_model(split_model):
-    """The compiled step and the eager step give equal logits (<= 1e-4, fp32)."""
+def _eager_and_native_step(model, dtype: torch.dtype = torch.float32):
+    """A verify-shaped step (three new tokens of one prefilled sequence) through torch's
+    attention and through the native step, each on its own copy of the same pool."""
     prompt = _prompts(1, seed=5)[0]
-    pool, table = _prefilled(split_model, prompt)
+    pool, table = _prefilled(model, prompt, dtype=dtype)
     twin = KVPool(pool.layout, pool.num_blocks)
     twin.tensor.copy_(pool.tensor)
     n = len(prompt)
-    tokens = [17, 99, 3]  # a verify-shaped step: three new tokens of one sequence
+    tokens = [17, 99, 3]
     meta = AttentionMetadata([3], [n + 3], [table], 16)
-    eager = split_model.logits(split_model.forward(torch.tensor(tokens), meta, pool, "fp32"))
-    native = split_model.native
+    eager = model.logits(model.forward(torch.tensor(tokens), meta, pool, "fp32"))
+    native = model.native
     assert native is not None
-    hidden = native.forward(
+    args = (
         np.asarray(tokens, dtype=np.int64),
         np.arange(n, n + 3, dtype=np.int32),
         np.asarray([table] * 3, dtype=np.int32),
-        twin.tensor,
-        16,
     )
-    compiled = split_model.logits(hidden, decode=True)
+    compiled = model.logits(native.forward(*args, twin.tensor, 16), decode=True)
+    return eager, compiled, pool, twin, (prompt, args)
+
+
+def test_native_step_equals_torch_eager_step_on_the_tiny_model(split_model):
+    """The compiled step and the eager step give equal logits (<= 1e-4, fp32)."""
+    eager, compiled, pool, twin, _ = _eager_and_native_step(split_model)
     assert (compiled - eager).abs().max().item() <= 1e-4
     # The new K/V landed in the same slots with the same values.
     assert (twin.tensor - pool.tensor).abs().max().item() <= 1e-4
@@ -272,37 +277,16 @@ def test_native_step_reads_and_writes_an_fp16_pool_like_the_torch_path(split_mod
     """An fp16 pool through the native step and through torch's attention: the same logits
     (both compute in fp32 over the same stored values), and the new K/V stored as torch
     rounds fp32 to fp16 (nearest even), bit for bit where the fp32 values are equal."""
-    prompt = _prompts(1, seed=5)[0]
-    pool, table = _prefilled(split_model, prompt, dtype=torch.float16)
-    twin = KVPool(pool.layout, pool.num_blocks)
-    twin.tensor.copy_(pool.tensor)
-    n = len(prompt)
-    tokens = [17, 99, 3]
-    meta = AttentionMetadata([3], [n + 3], [table], 16)
-    eager = split_model.logits(split_model.forward(torch.tensor(tokens), meta, pool, "fp32"))
-    native = split_model.native
-    assert native is not None
-    hidden = native.forward(
-        np.asarray(tokens, dtype=np.int64),
-        np.arange(n, n + 3, dtype=np.int32),
-        np.asarray([table] * 3, dtype=np.int32),
-        twin.tensor,
-        16,
-    )
-    assert (split_model.logits(hidden, decode=True) - eager).abs().max().item() <= 1e-3
+    eager, compiled, pool, twin, (prompt, args) = _eager_and_native_step(split_model, torch.float16)
+    assert (compiled - eager).abs().max().item() <= 1e-3
     # Layer 0's K/V of the new tokens depend on the embedding alone: same fp32 values on both
     # paths, so the same fp16 bits.
     assert torch.equal(twin.tensor[:, 0], pool.tensor[:, 0])
     fp32_pool, _ = _prefilled(split_model, prompt)
     fp32_pool_native = KVPool(fp32_pool.layout, fp32_pool.num_blocks)
     fp32_pool_native.tensor.copy_(fp32_pool.tensor)
-    native.forward(
-        np.asarray(tokens, dtype=np.int64),
-        np.arange(n, n + 3, dtype=np.int32),
-        np.asarray([table] * 3, dtype=np.int32),
-        fp32_pool_native.tensor,
-        16,
-    )
+    assert split_model.native is not None
+    split_model.native.forward(*args, fp32_pool_native.tensor, 16)
     written = fp32_pool_native.tensor[:, 0].to(torch.float16)
     assert torch.equal(written, twin.tensor[:, 0])
 
