@@ -27,5 +27,7 @@ class RequestTable:
         self.prefill_replica: list[int] = [-1] * n
         self.decode_replica: list[int] = [-1] * n
         self.prefill_end: list[float] = [NOT_YET] * n
-        self.ttft: list[float] = [NOT_YET] * n  # first token out (prefill + KV transfer)
+        self.ttft: list[float] = [
+            NOT_YET
+        ] * n  # first token out (prefill + serving path; the KV moves after)
         self.finish: list[float] = [NOT_YET] * n

@@ -81,14 +81,16 @@ def simulate(
     ]
     handoff = fleet.handoff_ms
 
-    def on_first_token(rid: int, at: float) -> None:
-        table.ttft[rid] = at
+    def on_prefilled(rid: int, first_token: float, kv_ready: float) -> None:
+        table.ttft[rid] = first_token
         decode = decodes[table.decode_replica[rid]]
         if table.output[rid] <= 1:  # the prefill replica's token was the whole reply
-            table.finish[rid] = at
+            table.finish[rid] = first_token
             decode.assigned -= 1
         else:
-            decode.push_join(rid, at + handoff)
+            # The coordinator opens the decode stream on the first token; the decode replica
+            # steps the sequence once its KV has landed too.
+            decode.push_join(rid, max(first_token + handoff, kv_ready))
 
     blocks = _cache_blocks(fleet, profile, trace)
     host_blocks = _host_blocks(fleet, trace)
@@ -102,7 +104,7 @@ def simulate(
             profile.kv_bytes_per_token,
             table,
             PrefixCache(blocks, host_blocks),
-            on_first_token,
+            on_prefilled,
             profile.serving_overhead_ms,
         )
         for i in range(fleet.prefill_replicas)
