@@ -27,7 +27,6 @@ class RequestTable:
         self.prefill_replica: list[int] = [-1] * n
         self.decode_replica: list[int] = [-1] * n
         self.prefill_end: list[float] = [NOT_YET] * n
-        self.ttft: list[float] = [
-            NOT_YET
-        ] * n  # first token out (prefill + serving path; the KV moves after)
+        # First token out: the prefill and the serving path (the KV moves after it).
+        self.ttft: list[float] = [NOT_YET] * n
         self.finish: list[float] = [NOT_YET] * n
