@@ -21,6 +21,7 @@ class RequestTable:
         self.output: list[int] = trace.output_tokens.tolist()
         self.priority: list[int] = priorities.tolist()
         self.hash_ids = trace.hash_ids
+        self.block_tokens = trace.block_tokens
         # Filled in as the replay goes.
         self.cached: list[int] = [0] * n  # prefill skipped (a host hit only in part)
         self.hit: list[int] = [0] * n  # prompt tokens found in a cache, any tier
