@@ -4,9 +4,10 @@ what the next attempt asks for.
 Every attempt after the first has a reason: `fallback` (the previous model missed its TTFT
 deadline or failed before its first token), `migration` (a replica died; the request goes
 on elsewhere, excluding it) or `drain` (a draining replica handed it over when its grace ran
-out; it goes on elsewhere the same way, but nothing failed). An attempt that starts after tokens were streamed is a
-continuation: the client's prompt plus every token already streamed is its prompt, and the
-output budget is what is left, so the client's stream goes on as one reply.
+out; it goes on elsewhere the same way, but nothing failed). An attempt that starts after
+tokens were streamed is a continuation: the client's prompt plus every token already
+streamed is its prompt, and the output budget is what is left, so the client's stream goes
+on as one reply.
 
 What a continuation preserves:
 - Greedy (temperature 0): exact, token for token, except with frequency/presence penalties
