@@ -3,13 +3,20 @@ gRPC path (in-process fleet, tiny model): each stream ends on the drained replic
 `handed_over` message after its last token, the coordinator continues it on the other
 replica (greedy: the same tokens as an uninterrupted run, none lost or doubled), the move is
 recorded as `drain`, and no KV block stays held on either replica. A stream that ends within
-the grace is not handed over."""
+the grace is not handed over. Underneath, the engine driver's `end_stream` ends a stream
+after exactly the outputs it delivered and frees the request's blocks."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.worker_server.server import drain
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.sampling.params import SamplingParams
 from shared.wire.records import WorkerLoad
 from tests.unit.test_migration_backend import (
     Fleet,
@@ -114,3 +121,39 @@ def test_a_stream_ending_within_the_grace_stays_where_it_is(tiny_folder, real_to
     assert reasons(chunks) == ["first"] and chunks[-1].num_output_tokens == 12
     (only,) = chunks[-1].metadata["attempts"]
     assert only["success"] and only["error"] is None
+
+
+class _Moved(Exception):
+    pass
+
+
+def test_end_stream_ends_after_the_delivered_outputs_and_frees_the_blocks(tiny_model):
+    engine = Engine(EngineConfig(num_blocks=32, max_model_len=128), model=tiny_model)
+    driver = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    def add(rid: str):
+        return lambda e: e.add_request([1, 2, 3], params, request_id=rid)
+
+    async def main():
+        driver.start()
+        try:
+            total = (await driver.call(lambda e: e.load())).free_blocks
+            whole = [t async for out in driver.generate(add("whole")) for t in out.new_token_ids]
+            driver.end_stream("whole", _Moved())  # finished: nothing to end
+            got: list[int] = []
+            with pytest.raises(_Moved):
+                async for out in driver.generate(add("cut")):
+                    got.extend(out.new_token_ids)
+                    if len(got) >= 3 and len(got) - len(out.new_token_ids) < 3:
+                        driver.end_stream("cut", _Moved())
+            load = await driver.call(lambda e: e.load())
+            return whole, got, total, load
+        finally:
+            driver.stop()
+
+    whole, got, total, load = asyncio.run(main())
+    assert 3 <= len(got) < len(whole) == 100
+    assert got == whole[: len(got)]  # every token made before the end, in order, once
+    assert engine.num_aborted == 1
+    assert (load.running, load.waiting, load.free_blocks) == (0, 0, total)
