@@ -564,15 +564,18 @@ static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, i
 static void linear_part(const ss_linear *w, const float *x, const float *xsum, const ss_acts *acts,
                         int rows, float *y, int tid, int nth) {
   int o0, o1;
-#if SS_VNNI512
+#if SS_AVX2
   if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) { /* whole tiles per thread */
     split((w->out_features + A8_TILE - 1) / A8_TILE, tid, nth, &o0, &o1);
     o0 *= A8_TILE;
     o1 = o1 * A8_TILE < w->out_features ? o1 * A8_TILE : w->out_features;
-    if (w->kind == SS_Q4_1_A8_TILES)
-      linear_q4_1_a8_tiles(w, acts, rows, y, o0, o1);
-    else
+#if SS_VNNI512
+    if (w->kind == SS_Q8_0_A8_TILES) {
       linear_q8_0_a8_tiles(w, acts, rows, y, o0, o1);
+      return;
+    }
+#endif
+    linear_q4_1_a8_tiles(w, acts, rows, y, o0, o1); /* check_linear admitted only these */
     return;
   }
 #endif
@@ -980,8 +983,10 @@ static void step_job(void *arg, int tid, int nth) {
 
 static int check_linear(const ss_linear *w) {
   if (w->kind == SS_F32) return 0;
-  if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) /* this build's layout only */
-    return SS_VNNI512 && w->in_features % QK == 0 && w->data ? 0 : -1;
+  if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) { /* this build's layout only */
+    int built = w->kind == SS_Q4_1_A8_TILES ? SS_AVX2 : SS_VNNI512;
+    return built && w->in_features % QK == 0 && w->data ? 0 : -1;
+  }
   if ((w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8) && w->in_features % QK == 0 && w->scales && w->mins)
     return 0;
   if (w->kind == SS_Q8_0 && w->in_features % QK == 0 && w->scales) return 0;
@@ -1093,8 +1098,18 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
 
 int ss_simd(void) { return SS_AVX2; }
 
-/* 1 where this build multiplies int8 activations in 16-output tiles (the _TILES kinds). */
-int ss_a8_tiles(void) { return SS_VNNI512; }
+/* Outputs per tile where this build multiplies int8 activations in tiles (the _TILES kinds:
+ * 16 with VNNI-512, 8 with AVX2, which tiles Q4_1 only), or 0 where it has none. */
+int ss_a8_tiles(void) {
+#if SS_AVX2
+  return A8_TILE;
+#else
+  return 0;
+#endif
+}
+
+/* 1 where this build has Q8_0 tiles too (VNNI-512). */
+int ss_a8_q8_tiles(void) { return SS_VNNI512; }
 
 /* The K/V conversions alone, for tests: n floats to halves as a K/V store rounds them, and n
  * halves to floats as attention reads them. */

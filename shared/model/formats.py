@@ -246,6 +246,9 @@ def _cache_path(
     # So is how OpenMP threads wait between torch ops: bf16 prompt chunks measured 1.5x faster
     # with spinning threads than with the PASSIVE policy the serving processes use.
     omp = f"{os.environ.get('OMP_WAIT_POLICY', '')},{os.environ.get('GOMP_SPINCOUNT', '')}"
+    # And the native build's flags where they are forced (e.g. the AVX2 build on an AVX-512
+    # machine): its kernels are other kernels, timed apart.
+    native_flags = os.environ.get("SPLITSERVE_NATIVE_CFLAGS", "")
     key = "|".join(
         [
             str(CHOOSER_VERSION),
@@ -255,6 +258,7 @@ def _cache_path(
             ",".join(eligible),
             kernel,
             omp,
+            native_flags,
             str(kv_dtype),
         ]
     )
