@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def cache_path(weights: str, threads: int, quick: bool, model_path: str | None =
         "quick": quick,
         "version": PROFILE_CACHE_VERSION,
         "kernels": native_source_digest(),
+        # A forced native build (the AVX2 path on an AVX-512 machine) runs other kernels.
+        "native_flags": os.environ.get("SPLITSERVE_NATIVE_CFLAGS", ""),
         "chooser": CHOOSER_VERSION,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
