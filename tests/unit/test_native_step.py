@@ -573,3 +573,40 @@ def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model)
     got = native.logits(hidden, decode=True)
     assert (got - want).abs().max().item() <= 1e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32-kv", "fp16-kv"])
+@pytest.mark.parametrize("flags", ["-O3 -mavx2 -mfma -mf16c", "-O3"], ids=["avx2", "scalar"])
+def test_the_other_builds_attend_alike_on_the_real_model(
+    real_checkpoint, real_model, kv_dtype, flags, monkeypatch, tmp_path
+):
+    """The AVX2 and plain-C builds' attention at the real head size (64), whose AVX2 path
+    widens each block's rows once and reduces eight dots together: the same logits as torch's
+    attention over a context of whole and partial blocks."""
+    from kernels.native.build import load
+
+    monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", flags)
+    other = load(tmp_path)
+    assert other.available, other.reason
+    native = LlamaModel(real_checkpoint, weights="native")  # row-major kinds: any build reads them
+    assert native.native is not None
+    prompt = [1, *range(300, 400)]  # 101 tokens: six whole blocks and a partial one
+    pool, table = _prefilled(real_model, prompt, blocks=8, dtype=kv_dtype)
+    twin = KVPool(pool.layout, pool.num_blocks)
+    twin.tensor.copy_(pool.tensor)
+    n = len(prompt)
+    meta = AttentionMetadata([2], [n + 2], [table], 16)
+    want = real_model.logits(real_model.forward(torch.tensor([42, 7]), meta, pool))
+    native.native.lib = other.library
+    hidden = native.native.forward(
+        np.asarray([42, 7], dtype=np.int64),
+        np.asarray([n, n + 1], dtype=np.int32),
+        np.asarray([table] * 2, dtype=np.int32),
+        twin.tensor,
+        16,
+    )
+    got = native.logits(hidden, decode=True)
+    # Summation order alone: 30 layers of fp32 rounding, logits of magnitude ~25.
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
