@@ -551,18 +551,16 @@ def test_speculative_decoding_equals_plain(model_and_alone, method):
     engine.blocks.check_integrity()
 
 
-@pytest.mark.real_model
-def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model):
-    """The bundled GGUF through the native step: logits agree with the fp32 build's."""
-    native = LlamaModel(real_checkpoint, weights="native")
-    assert native.native is not None
-    prompt = [1, *range(300, 340)]
-    pool, table = _prefilled(real_model, prompt, blocks=8)
+def _real_model_step(real_model, native: LlamaModel, prompt: list[int], kv_dtype: torch.dtype):
+    """Two new tokens after `prompt` through torch's attention and through the native step,
+    each on its own copy of the same prefilled pool: (native logits, torch logits)."""
+    pool, table = _prefilled(real_model, prompt, blocks=8, dtype=kv_dtype)
     twin = KVPool(pool.layout, pool.num_blocks)
     twin.tensor.copy_(pool.tensor)
     n = len(prompt)
     meta = AttentionMetadata([2], [n + 2], [table], 16)
     want = real_model.logits(real_model.forward(torch.tensor([42, 7]), meta, pool))
+    assert native.native is not None
     hidden = native.native.forward(
         np.asarray([42, 7], dtype=np.int64),
         np.asarray([n, n + 1], dtype=np.int32),
@@ -570,7 +568,14 @@ def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model)
         twin.tensor,
         16,
     )
-    got = native.logits(hidden, decode=True)
+    return native.logits(hidden, decode=True), want
+
+
+@pytest.mark.real_model
+def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model):
+    """The bundled GGUF through the native step: logits agree with the fp32 build's."""
+    native = LlamaModel(real_checkpoint, weights="native")
+    got, want = _real_model_step(real_model, native, [1, *range(300, 340)], torch.float32)
     assert (got - want).abs().max().item() <= 1e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -591,22 +596,9 @@ def test_the_other_builds_attend_alike_on_the_real_model(
     assert other.available, other.reason
     native = LlamaModel(real_checkpoint, weights="native")  # row-major kinds: any build reads them
     assert native.native is not None
-    prompt = [1, *range(300, 400)]  # 101 tokens: six whole blocks and a partial one
-    pool, table = _prefilled(real_model, prompt, blocks=8, dtype=kv_dtype)
-    twin = KVPool(pool.layout, pool.num_blocks)
-    twin.tensor.copy_(pool.tensor)
-    n = len(prompt)
-    meta = AttentionMetadata([2], [n + 2], [table], 16)
-    want = real_model.logits(real_model.forward(torch.tensor([42, 7]), meta, pool))
     native.native.lib = other.library
-    hidden = native.native.forward(
-        np.asarray([42, 7], dtype=np.int64),
-        np.asarray([n, n + 1], dtype=np.int32),
-        np.asarray([table] * 2, dtype=np.int32),
-        twin.tensor,
-        16,
-    )
-    got = native.logits(hidden, decode=True)
+    # 101 tokens: six whole blocks and a partial one.
+    got, want = _real_model_step(real_model, native, [1, *range(300, 400)], kv_dtype)
     # Summation order alone: 30 layers of fp32 rounding, logits of magnitude ~25.
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
