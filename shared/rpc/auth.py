@@ -26,12 +26,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from shared.config.schema import ConfigError, DeploymentConfig
-from shared.rpc.tls import TlsMaterial
+
+if TYPE_CHECKING:
+    from shared.rpc.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,12 @@ class InternalAuth:
     def from_config(cls, config: DeploymentConfig) -> InternalAuth:
         settings = config.internal_auth
         path = settings.token_file
-        tls = TlsMaterial.from_config(settings.tls) if settings.tls.enabled else None
+        tls = None
+        if settings.tls.enabled:
+            # Only then: cryptography costs a deployment without TLS ~30 ms of every start.
+            from shared.rpc.tls import TlsMaterial
+
+            tls = TlsMaterial.from_config(settings.tls)
         return cls(read_token(path) if path else None, tls)
 
     @property

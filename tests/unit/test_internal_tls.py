@@ -1,19 +1,26 @@
 """Internal mutual TLS, on real gRPC over loopback with certificates made here: a worker
 service refuses a TLS client without a certificate, one whose certificate comes from another
 CA, and a plaintext one; takes the deployment's certificate (and still checks the token
-inside the TLS connection); a bad certificate file is a clear error at start."""
+inside the TLS connection); a bad certificate file is a clear error at start; the plaintext
+health port for the kubelet serves health alone."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launcher.internal_tls import DeploymentCA, IssuedCertificate, with_internal_tls
+from services.launcher.ports import pick_free_ports
+from services.worker_server.health import WorkerHealth
 from shared.config.schema import ConfigError, parse_config
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
@@ -204,3 +211,41 @@ def test_splitserve_up_makes_a_private_ca_and_certificate_per_run(tmp_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert InternalAuth.from_config(config).tls is not None  # the files pass every check
     assert with_internal_tls(config, tmp_path / "elsewhere") == config  # its own certs are kept
+
+
+def test_a_worker_with_a_missing_certificate_stops_at_start_naming_it(tmp_path, ca, leaf):
+    """What a pod's log shows: the file and how to get one, before any model is loaded."""
+    p = _write(tmp_path, ca=ca.cert_pem, key=leaf.key_pem)
+    tls = {"enabled": True, "ca_file": p["ca"], "cert_file": str(tmp_path / "tls.crt")}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"internal_auth": {"tls": {**tls, "key_file": p["key"]}}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "prefill", "--config", str(path)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"internal_auth.tls.cert_file: {tmp_path}/tls.crt does not exist" in done.stderr
+
+
+def test_the_plaintext_health_port_serves_health_alone():
+    """For the kubelet's probe: it answers SERVING in plaintext and serves nothing else."""
+
+    async def scenario() -> tuple[str, grpc.StatusCode]:
+        health = WorkerHealth()
+        (port,) = pick_free_ports(1, "127.0.0.1")
+        probes = await health.serve_plaintext("127.0.0.1", port)
+        try:
+            await health.serving()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                status = (await check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(status), (
+                    await _stats_code(channel)
+                )
+        finally:
+            await probes.stop(grace=0)
+
+    assert asyncio.run(scenario()) == ("SERVING", grpc.StatusCode.UNIMPLEMENTED)
