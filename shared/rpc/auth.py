@@ -80,7 +80,7 @@ class InternalAuth:
         return cls(read_token(path) if path else None, tls)
 
     @property
-    def checks_token(self) -> bool:
+    def has_token(self) -> bool:
         return self.token is not None
 
     @property
@@ -106,7 +106,7 @@ class InternalAuth:
     # -- servers -------------------------------------------------------------------------
 
     def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
-        interceptors = [TokenCheck(self)] if self.checks_token else []
+        interceptors = [TokenCheck(self)] if self.has_token else []
         return grpc.aio.server(options=list(options), interceptors=interceptors)
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
@@ -118,7 +118,7 @@ class InternalAuth:
     # -- clients -------------------------------------------------------------------------
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        interceptors = token_interceptors(self._metadata()) if self.checks_token else None
+        interceptors = token_interceptors(self._metadata()) if self.has_token else None
         if self.tls is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         return grpc.aio.secure_channel(
@@ -135,7 +135,7 @@ class InternalAuth:
         else:
             credentials = self.tls.channel_credentials()
             channel = grpc.secure_channel(address, credentials, self.tls.channel_options(options))
-        if not self.checks_token:
+        if not self.has_token:
             return channel
         return grpc.intercept_channel(channel, SyncAddToken(self._metadata()))
 
