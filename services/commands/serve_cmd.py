@@ -36,6 +36,12 @@ def add_commands(sub) -> None:
         help="coordinator processes sharing the workers (default: the config's "
         "coordinator.replicas, 1)",
     )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="internal gRPC over mutual TLS, under a CA made for this run (a config's own "
+        "internal_auth.tls certificates are used instead when it names them)",
+    )
     shape = up.add_mutually_exclusive_group()
     shape.add_argument(
         "--disaggregated",
@@ -105,7 +111,7 @@ def run_up(args: argparse.Namespace) -> int:
     if update:
         coordinator = config.coordinator.model_copy(update=update)
         config = config.model_copy(update={"coordinator": coordinator})
-    return launch(config, args.startup_timeout)
+    return launch(config, args.startup_timeout, tls=args.tls)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -155,7 +155,7 @@ async def serve_coordinator(
     pb_grpc.add_RegistryServicer_to_server(RegistryService(registry), grpc_server)
     c = config.coordinator
     host = bind_host or c.host
-    grpc_server.add_insecure_port(f"{host}:{c.registry_port}")
+    auth.add_port(grpc_server, f"{host}:{c.registry_port}")
     await grpc_server.start()
     playground = config.playground
     tracing = Tracing.from_config(

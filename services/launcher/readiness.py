@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launcher.processes import ProcessGroup
+from shared.rpc.auth import NO_AUTH, InternalAuth
 
 # Readiness is probed on loopback; an HTTP(S)_PROXY in the environment must not intercept it.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -38,9 +39,12 @@ def probe(url: str, timeout_s: float = 1.0) -> tuple[bool, str]:
         return False, f"no answer ({reason})"
 
 
-def health_probe(address: str, timeout_s: float = 1.0) -> tuple[bool, str]:
-    """(serving, status) of the grpc.health.v1 service at `address` (a worker)."""
-    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+def health_probe(
+    address: str, auth: InternalAuth = NO_AUTH, timeout_s: float = 1.0
+) -> tuple[bool, str]:
+    """(serving, status) of the grpc.health.v1 service at `address` (a worker), over TLS
+    when the stack's internal calls use it."""
+    with auth.sync_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s

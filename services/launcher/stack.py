@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 import services
+from services.launcher.internal_tls import remove_internal_tls, with_internal_tls
 from services.launcher.internal_token import TOKEN_FILE, with_internal_token
 from services.launcher.ports import pick_free_ports, resolve_ports
 from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
@@ -167,7 +168,7 @@ def worker_spec(config: DeploymentConfig, config_path: Path, slot: WorkerSlot) -
         slot.name,
         argv,
         _child_env(threads),
-        ready=partial(health_probe, f"{host}:{port}"),
+        ready=partial(health_probe, f"{host}:{port}", InternalAuth.from_config(config)),
         renew=partial(worker_spec, config, config_path, slot),
     )
 
@@ -280,6 +281,7 @@ class LocalStack:
                 self.supervisor.close()
             self.config_path.unlink(missing_ok=True)
             (self.run_dir / TOKEN_FILE).unlink(missing_ok=True)
+            remove_internal_tls(self.run_dir)
 
     def __enter__(self) -> LocalStack:
         return self
@@ -296,6 +298,7 @@ def start_local_stack(
     echo: TextIO | None = None,
     cancel: threading.Event | None = None,
     supervise: bool = True,
+    tls: bool = False,
 ) -> LocalStack:
     """Start every service of `config` and return once the coordinator reports ready and
     every worker's health service says SERVING.
@@ -305,11 +308,14 @@ def start_local_stack(
     ServiceDied / StartupTimeout / StartupCancelled is raised. Supervised (the default), a
     service that dies is restarted, while starting too: ServiceDied then means one that keeps
     failing to start or refused to (ServiceGaveUp); `supervise=False`: any exit is final, for
-    tests that need a killed worker to stay gone.
+    tests that need a killed worker to stay gone. `tls`: internal calls are mutual TLS under
+    a CA made for this run (unless the config names certificates of its own).
     """
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = with_internal_token(resolve_config(config), run_dir)
+    if tls:
+        resolved = with_internal_tls(resolved, run_dir)
     config_path = run_dir / "config.yaml"
     config_path.write_text(dump_config(resolved))
     coordinators = coordinator_slots(resolved)

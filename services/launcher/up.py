@@ -30,13 +30,14 @@ def run_up(
     startup_timeout_s: float = 300.0,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    tls: bool = False,
 ) -> int:
     """Start the stack, announce it, and wait for a stop signal. Returns the exit code."""
     out = out or sys.stdout
     err = err or sys.stderr
     with _stop_requested() as stop:
         try:
-            stack = start_local_stack(config, startup_timeout_s, echo=err, cancel=stop)
+            stack = start_local_stack(config, startup_timeout_s, echo=err, cancel=stop, tls=tls)
         except StartupCancelled:
             return 0
         except ServiceGaveUp as exc:

@@ -27,6 +27,15 @@ class WorkerHealth:
         for service in HEALTH_SERVICES:
             await self._servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    async def serve_plaintext(self, host: str, port: int) -> grpc.aio.Server:
+        """This health service alone on a plaintext port, for probes that cannot speak TLS
+        (the kubelet's gRPC probe): all it tells anyone is whether the worker serves."""
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        server.add_insecure_port(f"{host}:{port}")
+        await server.start()
+        return server
+
     async def serving(self) -> None:
         for service in HEALTH_SERVICES:
             await self._servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

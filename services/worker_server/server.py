@@ -142,8 +142,12 @@ async def serve_worker(
         add_control_servicer(server, control)
     health = WorkerHealth()
     await health.add_to(server)
-    port = server.add_insecure_port(f"{config.worker_host}:{port}")
+    port = runtime.auth.add_port(server, f"{config.worker_host}:{port}")
     await server.start()
+    tls = config.internal_auth.tls
+    probes = None
+    if tls.enabled and tls.health_port is not None:
+        probes = await health.serve_plaintext(config.worker_host, tls.health_port)
     address = f"{config.worker_host}:{port}"
     c = config.coordinator
     registry = Registrations(
@@ -173,6 +177,8 @@ async def serve_worker(
         for t in tasks:
             t.cancel()
         await server.stop(grace=DRAIN_TAIL_S)
+        if probes is not None:
+            await probes.stop(grace=0)
         if control is not None:
             await control.close()
         if servicer.prefill_service is not None:

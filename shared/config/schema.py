@@ -141,6 +141,42 @@ class CoordinatorConfig(_Strict):
         return self.registry_endpoints or (f"{self.host}:{self.registry_port}",)
 
 
+class InternalTlsConfig(_Strict):
+    """Mutual TLS on every internal gRPC call, with certificates from the deployment's own CA
+    (shared/rpc/tls.py). The files are read and checked when a service starts."""
+
+    enabled: bool = False
+    ca_file: str | None = Field(None, description="PEM: the deployment CA every peer must chain to")
+    cert_file: str | None = Field(
+        None, description="PEM: this service's certificate (server and client auth), CA-signed"
+    )
+    key_file: str | None = Field(None, description="PEM: the private key of cert_file")
+    server_name: str | None = Field(
+        None,
+        description="the name clients check servers' certificates for; None: the host they "
+        "dial. The chart sets one, since workers are dialled by pod IP",
+    )
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="a plaintext port on each worker serving only grpc.health.v1, for probes "
+        "that cannot speak TLS (the kubelet's gRPC probe); None: health on the TLS port only",
+    )
+
+    @model_validator(mode="after")
+    def _files_named(self) -> InternalTlsConfig:
+        if self.enabled:
+            missing = [k for k in ("ca_file", "cert_file", "key_file") if not getattr(self, k)]
+            if missing:
+                raise ValueError(
+                    f"TLS is enabled without {', '.join(missing)}: name the deployment CA, "
+                    "this service's certificate and its key (`splitserve up --tls` makes a "
+                    "set per run; the chart mounts them from a Secret or cert-manager)"
+                )
+        return self
+
+
 class InternalAuthConfig(_Strict):
     """How the deployment's services authenticate each other (shared/rpc/auth.py)."""
 
@@ -150,6 +186,7 @@ class InternalAuthConfig(_Strict):
         "handshake must carry (UNAUTHENTICATED otherwise); None: internal calls are not "
         "authenticated. `splitserve up` writes one per run; the chart mounts a Secret",
     )
+    tls: InternalTlsConfig = InternalTlsConfig()
 
 
 class TelemetryConfig(_Strict):

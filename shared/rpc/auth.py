@@ -12,6 +12,10 @@ The tcp/shm data plane never carries the token itself: its handshake carries an 
 request header keyed by it (services/kvtransfer/wire.py). The token is read from
 `internal_auth.token_file` once, at start (`splitserve up` writes one per run; the chart
 mounts a Secret).
+
+With `internal_auth.tls` on, every internal gRPC server and channel is mutual TLS besides
+(shared/rpc/tls.py): the token checks still run, inside the TLS connection. Off, channels and
+ports are plaintext exactly as before.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from shared.config.schema import ConfigError, DeploymentConfig
+
+if TYPE_CHECKING:
+    from shared.rpc.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +65,22 @@ class InternalAuth:
     """How this process talks to, and is talked to by, the deployment's other services."""
 
     token: str | None = None  # None: internal calls are not authenticated
+    tls: TlsMaterial | None = None  # None: plaintext gRPC
 
     @classmethod
     def from_config(cls, config: DeploymentConfig) -> InternalAuth:
-        path = config.internal_auth.token_file
-        return cls(read_token(path) if path else None)
+        settings = config.internal_auth
+        path = settings.token_file
+        tls = None
+        if settings.tls.enabled:
+            # Only then: cryptography costs a deployment without TLS ~30 ms of every start.
+            from shared.rpc.tls import TlsMaterial
+
+            tls = TlsMaterial.from_config(settings.tls)
+        return cls(read_token(path) if path else None, tls)
 
     @property
-    def enabled(self) -> bool:
+    def has_token(self) -> bool:
         return self.token is not None
 
     @property
@@ -91,19 +106,36 @@ class InternalAuth:
     # -- servers -------------------------------------------------------------------------
 
     def server(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
-        interceptors = [TokenCheck(self)] if self.enabled else []
+        interceptors = [TokenCheck(self)] if self.has_token else []
         return grpc.aio.server(options=list(options), interceptors=interceptors)
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        """Listen on `address` (TLS when on); the port bound."""
+        if self.tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.tls.server_credentials())
 
     # -- clients -------------------------------------------------------------------------
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        interceptors = token_interceptors(self._metadata()) if self.enabled else None
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        interceptors = token_interceptors(self._metadata()) if self.has_token else None
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address,
+            self.tls.channel_credentials(),
+            options=self.tls.channel_options(options),
+            interceptors=interceptors,
+        )
 
     def sync_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-        """A blocking channel (benchmarks, tests, tools outside an event loop)."""
-        channel = grpc.insecure_channel(address, options=options)
-        if not self.enabled:
+        """A blocking channel (benchmarks, tests, the launcher's health probe)."""
+        if self.tls is None:
+            channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = self.tls.channel_credentials()
+            channel = grpc.secure_channel(address, credentials, self.tls.channel_options(options))
+        if not self.has_token:
             return channel
         return grpc.intercept_channel(channel, SyncAddToken(self._metadata()))
 

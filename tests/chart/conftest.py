@@ -25,6 +25,9 @@ VALUE_SETS = (
     "everything",
     "policy",
     "coordinators",
+    "tls-secret",
+    "tls-cert-manager",
+    "tls-cert-manager-issuer",
 )
 
 

@@ -13,7 +13,7 @@ from tests.chart.conftest import CHART, VALUE_SETS, VALUES, helm_template, rende
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.30.0", "1.37.0")
 # Custom resources have no schema in kubernetes-validate; their shape is tested elsewhere.
-CUSTOM_KINDS = {"ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "Certificate", "Issuer"}
 
 
 def test_helm_lint_passes_for_every_values_set(helm):
@@ -74,6 +74,9 @@ INVALID = {
     "block-size": "/config/block_size",
     "drain-longer-than-grace": "workers.terminationGracePeriodSeconds (120) must be at least",
     "internal-auth-key": "/internalAuth/secretKey",
+    "tls-without-certificates": "internalAuth.tls.enabled: TLS without certificates. Name a "
+    "Secret holding ca.crt, tls.crt and tls.key in internalAuth.tls.existingSecret",
+    "tls-health-port-clash": "internalAuth.tls.healthPort (50061) must differ from workers.grpc",
 }
 
 

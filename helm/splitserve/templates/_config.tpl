@@ -57,9 +57,29 @@ two tails of 2 s (DRAIN_TAIL_S in services/worker_server/server.py), then it exi
 {{- $_ := set $coordinator "api_keys_file" "/etc/splitserve-secrets/api-keys" -}}
 {{- end -}}
 {{- end -}}
+{{- $internal := dict -}}
 {{- if .Values.internalAuth.enabled -}}
-{{- $_ := set $config "internal_auth" (dict "token_file" (include "splitserve.internalTokenPath" .)) -}}
+{{- $_ := set $internal "token_file" (include "splitserve.internalTokenPath" .) -}}
 {{- end -}}
+{{- $tls := .Values.internalAuth.tls -}}
+{{- if $tls.enabled -}}
+{{- if not (or $tls.existingSecret $tls.certManager.enabled) -}}
+{{- fail "internalAuth.tls.enabled: TLS without certificates. Name a Secret holding ca.crt, tls.crt and tls.key in internalAuth.tls.existingSecret (kubectl create secret generic NAME --from-file=ca.crt --from-file=tls.crt --from-file=tls.key), or set internalAuth.tls.certManager.enabled=true to have cert-manager issue them" -}}
+{{- end -}}
+{{- if eq (int $tls.healthPort) (int .Values.workers.grpcPort) -}}
+{{- fail (printf "internalAuth.tls.healthPort (%d) must differ from workers.grpcPort: it is the plaintext port that serves only grpc.health.v1" (int $tls.healthPort)) -}}
+{{- end -}}
+{{- $dir := include "splitserve.internalTlsDir" . -}}
+{{- $_ := set $internal "tls" (dict
+  "enabled" true
+  "ca_file" (printf "%s/ca.crt" $dir)
+  "cert_file" (printf "%s/tls.crt" $dir)
+  "key_file" (printf "%s/tls.key" $dir)
+  "server_name" (include "splitserve.internalTlsServerName" .)
+  "health_port" (int $tls.healthPort)
+) -}}
+{{- end -}}
+{{- with $internal }}{{ $_ := set $config "internal_auth" . }}{{ end -}}
 {{- range $key := list "telemetry" "router" "tiers" "prices" "routers" "playground" -}}
 {{- with get $root.Values.config $key }}{{ $_ := set $config $key . }}{{ end -}}
 {{- end -}}

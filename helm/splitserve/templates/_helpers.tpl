@@ -78,6 +78,20 @@ app.kubernetes.io/part-of: splitserve
 /etc/splitserve-internal/token
 {{- end -}}
 
+{{/* Internal TLS: the Secret holding ca.crt, tls.crt and tls.key (yours, or the one
+     cert-manager writes), the name every certificate carries, where pods mount it. */}}
+{{- define "splitserve.internalTlsSecretName" -}}
+{{- .Values.internalAuth.tls.existingSecret | default (printf "%s-internal-tls" (include "splitserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "splitserve.internalTlsServerName" -}}
+{{- .Values.internalAuth.tls.serverName | default (printf "%s-internal" (include "splitserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "splitserve.internalTlsDir" -}}
+/etc/splitserve-tls
+{{- end -}}
+
 {{- define "splitserve.apiKeysSecretName" -}}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "splitserve.fullname" .)) -}}
 {{- end -}}
@@ -133,6 +147,16 @@ imagePullSecrets:
       - key: {{ .Values.internalAuth.secretKey }}
         path: token
 {{- end }}
+{{- if .Values.internalAuth.tls.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "splitserve.internalTlsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
 {{- with .Values.modelStorage.volume }}
 - name: models
   {{- toYaml . | nindent 2 }}
@@ -149,6 +173,11 @@ imagePullSecrets:
 {{- if .Values.internalAuth.enabled }}
 - name: internal-token
   mountPath: {{ include "splitserve.internalTokenPath" . | dir }}
+  readOnly: true
+{{- end }}
+{{- if .Values.internalAuth.tls.enabled }}
+- name: internal-tls
+  mountPath: {{ include "splitserve.internalTlsDir" . }}
   readOnly: true
 {{- end }}
 {{- if .Values.modelStorage.volume }}
