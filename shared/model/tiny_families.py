@@ -11,6 +11,7 @@ prompts of a few dozen tokens run past them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -140,3 +141,29 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         tokens.append(int(reference_logits(model, tokens)[-1].argmax()))
     return tokens[len(prompt) :]
+
+
+# The tokenizer's first character: CJK ideographs, so that every token is one valid character.
+_FIRST_CHAR = 0x4E00
+
+
+def save_char_tokenizer(folder: Path) -> None:
+    """A tokenizer.json for serving a tiny model end to end: token i is the one character
+    chr(0x4E00 + i), so any id sequence is exactly a text and back (no byte-level pieces
+    that decode to invalid UTF-8 on their own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(_FIRST_CHAR + i): i for i in range(VOCAB)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    # An end-of-text token, as every served tokenizer has (constrained decoding needs one):
+    # the last id, which replies with `ignore_eos` run past.
+    config = {"eos_token": chr(_FIRST_CHAR + VOCAB - 1)}
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def char_token_ids(text: str) -> list[int]:
+    """The ids save_char_tokenizer's tokenizer gives `text`."""
+    return [ord(c) - _FIRST_CHAR for c in text]

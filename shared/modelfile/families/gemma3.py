@@ -100,7 +100,7 @@ def config_from_gguf(p: GGUFParams) -> ModelConfig:
     """llama.cpp's converter stores Gemma's norms with the 1 already added (so no offset
     here) and keeps the interleaving, query scale and local theta as conventions."""
     if p.get("attn_logit_softcapping") is not None:
-        raise p.refuse("attention logit soft-capping")
+        raise p.unsupported("attention logit soft-capping")
     window = int(p.require("attention.sliding_window"))
     hidden, heads = int(p.require("embedding_length")), int(p.require("attention.head_count"))
     head_dim = int(p.require("attention.key_length"))

@@ -11,6 +11,7 @@ from which tensors the file holds (biases, per-layer experts), as llama.cpp itse
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from shared.modelfile.config import ModelConfig, ModelFileError, MoEConfig, RopeScaling
@@ -41,17 +42,19 @@ class GGUFParams:
             raise ModelFileError(self.path, f"GGUF metadata key '{self.arch}.{key}' is missing")
         return value
 
+    @cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        # PyTorch order: GGUF lists the contiguous dimension first.
+        return {t.name: tuple(reversed(t.shape)) for t in self.header.tensors}
+
     def shape(self, tensor: str) -> tuple[int, ...] | None:
-        """The tensor's shape in PyTorch order (GGUF lists the contiguous dimension first)."""
-        for t in self.header.tensors:
-            if t.name == tensor:
-                return tuple(reversed(t.shape))
-        return None
+        return self._shapes.get(tensor)
 
     def has(self, tensor: str) -> bool:
         return self.shape(tensor) is not None
 
-    def refuse(self, feature: str) -> ModelFileError:
+    def unsupported(self, feature: str) -> ModelFileError:
+        """The error to raise for a feature the file asks for and no family implements."""
         return ModelFileError(self.path, f"unsupported config feature: {feature}")
 
     @property
@@ -65,12 +68,12 @@ def rope_scaling(p: GGUFParams) -> RopeScaling | None:
     alone would serve a silently different model, so those are refused by name."""
     kind = p.get("rope.scaling.type", "none")
     if p.has("rope_freqs.weight"):
-        raise p.refuse(f"RoPE scaling ({kind if kind != 'none' else 'rope_freqs tensor'})")
+        raise p.unsupported(f"RoPE scaling ({kind if kind != 'none' else 'rope_freqs tensor'})")
     if kind == "none":
         return None
     if kind == "linear":
         return RopeScaling("linear", float(p.require("rope.scaling.factor")))
-    raise p.refuse(f"RoPE scaling ({kind})")
+    raise p.unsupported(f"RoPE scaling ({kind})")
 
 
 def every_layer(p: GGUFParams, window: int | None) -> tuple[int | None, ...]:
@@ -81,7 +84,9 @@ def refuse_sliding_window(p: GGUFParams) -> None:
     """Qwen's converters write no window (llama.cpp runs those layers globally); a file that
     has one does not say which layers slide (transformers' `max_window_layers`)."""
     if p.get("attention.sliding_window"):
-        raise p.refuse(f"a sliding window on a '{p.arch}' GGUF (which layers slide is not stored)")
+        raise p.unsupported(
+            f"a sliding window on a '{p.arch}' GGUF (which layers slide is not stored)"
+        )
 
 
 def moe_from_gguf(p: GGUFParams, normalise: bool) -> MoEConfig | None:
@@ -92,20 +97,19 @@ def moe_from_gguf(p: GGUFParams, normalise: bool) -> MoEConfig | None:
     if not experts:
         return None
     if int(p.get("expert_gating_func", _SOFTMAX_GATING)) != _SOFTMAX_GATING:
-        raise p.refuse("a router that is not a softmax")
+        raise p.unsupported("a router that is not a softmax")
     if float(p.get("expert_weights_scale", 1.0)) != 1.0:
-        raise p.refuse("scaled expert weights")
+        raise p.unsupported("scaled expert weights")
     if int(p.get("expert_shared_count", 1)) > 1:
-        raise p.refuse("more than one shared expert")
+        raise p.unsupported("more than one shared expert")
     sparse = tuple(p.has(f"blk.{i}.ffn_gate_inp.weight") for i in range(p.num_layers))
+    first = sparse.index(True) if any(sparse) else 0
     size = p.get("expert_feed_forward_length")
     if size is None:  # Mixtral's converter writes the experts' width as the dense one
-        first = sparse.index(True) if any(sparse) else 0
         merged = p.shape(f"blk.{first}.ffn_gate_exps.weight")
         size = merged[1] if merged else p.require("feed_forward_length")
     shared = p.get("expert_shared_feed_forward_length")
     if shared is None:
-        first = sparse.index(True) if any(sparse) else 0
         shape = p.shape(f"blk.{first}.ffn_gate_shexp.weight")
         shared = shape[0] if shape else 0
     return MoEConfig(
@@ -136,10 +140,10 @@ def gguf_base_config(p: GGUFParams, architecture: str, **switches) -> ModelConfi
     head_dim = p.get("attention.key_length")
     value_dim = p.get("attention.value_length", head_dim)
     if head_dim is not None and value_dim != head_dim:
-        raise p.refuse(f"value heads of {value_dim} != key heads of {head_dim}")
+        raise p.unsupported(f"value heads of {value_dim} != key heads of {head_dim}")
     rotated = p.get("rope.dimension_count")
     if rotated is not None and rotated != (head_dim or hidden // n_heads):
-        raise p.refuse("partial rotary embeddings")
+        raise p.unsupported("partial rotary embeddings")
     if "rope_theta" not in switches:
         switches = {
             "rope_theta": float(p.get("rope.freq_base", 10000.0)),
