@@ -11,6 +11,7 @@ Our own extension: Mistral's and Mixtral's sliding window is kept as
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,19 @@ def _rope(config: dict, layer_type: str) -> dict:
     params = config.get("rope_parameters") or {}
     params = params.get(layer_type, params)
     return params or {"rope_theta": config.get("rope_theta", 10000.0)}
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The per-pair divisors the converter stores as `rope_freqs` for Llama 3.1's blend:
+    1 for short wavelengths, `factor` for long ones, interpolated between."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    pairs = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    wavelen = 2 * math.pi * rope["rope_theta"] ** pairs
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
+    return out.astype(np.float32)
 
 
 def _metadata(writer, family: str, c: dict) -> None:
@@ -124,6 +138,10 @@ def write_gguf(
     _metadata(writer, family, c)
     if extra is not None:
         extra(writer)
+    rope = _rope(c, "full_attention")
+    if rope.get("rope_type") == "llama3":
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     state = _merge_experts(load_file(str(folder / "model.safetensors")), layers)
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and c.get("tie_word_embeddings"):

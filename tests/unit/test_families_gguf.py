@@ -19,6 +19,7 @@ from shared.engine.engine import Engine
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
+from shared.model.rope import inverse_frequencies
 from shared.model.tiny_families import VOCAB, reference_greedy, reference_logits, save_family
 from shared.modelfile.config import ModelConfig, ModelFileError
 from shared.sampling.params import SamplingParams
@@ -33,6 +34,7 @@ LENGTHS = (3, 11, 17, 30, 45)  # straddling the 12-token window and the 16-token
 # (every sixth layer global) and its query scale (head_dim), and has no dense layers in
 # Qwen 3 MoE: the Gemma model here has six layers, and the Qwen 3 MoE one is sparse throughout.
 GGUF_FAMILIES = {
+    "llama3": {},
     "qwen2": {},
     "qwen3": {},
     "mistral": {},
@@ -63,12 +65,14 @@ def converted(request, tmp_path_factory):
 
 def _comparable(cfg: ModelConfig) -> ModelConfig:
     """The config with what only the spelling differs in made equal: GGUF stores the epsilon
-    as float32, an all-global layout as no windows, and Gemma's norms with the 1 added."""
+    as float32, an all-global layout as no windows, Gemma's norms with the 1 added, and
+    Llama 3's RoPE blend as per-pair factors (the frequencies are compared instead)."""
     return dataclasses.replace(
         cfg,
         rms_norm_eps=round(cfg.rms_norm_eps, 9),
         layer_windows=tuple(cfg.window(i) for i in range(cfg.num_layers)),
         norm_offset=0.0,
+        rope_scaling=None,
     )
 
 
@@ -98,9 +102,15 @@ def _greedy(model: LlamaModel, prompts, **engine) -> list[list[int]]:
 def test_gguf_config_is_the_folders(converted):
     name, folder, path, _ = converted
     from_gguf, from_folder = read_checkpoint(path).config, read_checkpoint(folder).config
-    assert from_gguf.architecture == from_folder.architecture == name
+    expected = {"llama3": "llama"}.get(name, name)
+    assert from_gguf.architecture == from_folder.architecture == expected
     assert _comparable(from_gguf) == _comparable(from_folder)
     assert math.isclose(from_gguf.rms_norm_eps, from_folder.rms_norm_eps, rel_tol=1e-6)
+    want = inverse_frequencies(
+        from_folder.head_dim, from_folder.rope_theta, from_folder.rope_scaling
+    )
+    got = inverse_frequencies(from_gguf.head_dim, from_gguf.rope_theta, from_gguf.rope_scaling)
+    assert torch.allclose(got, want, rtol=1e-6)
     if name == "gemma3":  # the file's norms carry the offset already
         assert from_gguf.norm_offset == 0.0 and from_folder.norm_offset == 1.0
 

@@ -33,8 +33,7 @@ def test_shape_is_one_whichever_file_describes_it(tmp_path, name):
     assert _fields(analytic) == _fields(loaded)
     assert analytic.config_hash == loaded.config_hash
     assert analytic.is_moe == (name in ("qwen3_moe", "qwen2_moe", "mixtral"))
-    if name not in ("llama3", "gemma3"):  # Llama 3's RoPE factors are refused in GGUF;
-        # Gemma's GGUF layout needs six layers (tests/unit/test_families_gguf.py).
+    if name != "gemma3":  # whose GGUF layout needs six layers (test_families_gguf.py)
         gguf = write_gguf(name, tmp_path, tmp_path / "m.gguf")
         assert _fields(read_model_shape(gguf)) == _fields(analytic)
 

@@ -110,7 +110,7 @@ def config_from_gguf(p: GGUFParams) -> ModelConfig:
         p,
         "gemma3",
         rope_theta=float(p.get("rope.freq_base", 1_000_000.0)),
-        rope_scaling=rope_scaling(p),
+        rope_scaling=rope_scaling(p, head_dim),
         local_rope_theta=float(p.get("rope.freq_base_swa", _GGUF_LOCAL_THETA)),
         layer_windows=_gguf_windows(p, window),
         qk_norm=True,

@@ -10,8 +10,10 @@ from which tensors the file holds (biases, per-layer experts), as llama.cpp itse
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import cached_property
+from math import prod
 from typing import Any
 
 from shared.modelfile.config import ModelConfig, ModelFileError, MoEConfig, RopeScaling
@@ -62,18 +64,37 @@ class GGUFParams:
         return int(self.require("block_count"))
 
 
-def rope_scaling(p: GGUFParams) -> RopeScaling | None:
-    """Linear scaling is a factor in the metadata; Llama 3.1's per-frequency factors come as a
-    `rope_freqs` tensor, and YaRN / LongRoPE as other keys: recomputing RoPE from the theta
-    alone would serve a silently different model, so those are refused by name."""
+def rope_scaling(p: GGUFParams, head_dim: int) -> RopeScaling | None:
+    """Linear scaling is a factor in the metadata; Llama 3.1's blend comes as a `rope_freqs`
+    tensor of per-pair divisors (read here: a few hundred bytes). YaRN, LongRoPE or a mix of
+    two would be a silently different model if recomputed from the theta: refused by name."""
     kind = p.get("rope.scaling.type", "none")
     if p.has("rope_freqs.weight"):
-        raise p.unsupported(f"RoPE scaling ({kind if kind != 'none' else 'rope_freqs tensor'})")
+        if kind != "none":
+            raise p.unsupported(f"RoPE scaling ({kind}) on top of a rope_freqs tensor")
+        factors = _rope_freqs(p)
+        if len(factors) != head_dim // 2:
+            raise ModelFileError(
+                p.path, f"rope_freqs has {len(factors)} factors for {head_dim // 2} rotated pairs"
+            )
+        return RopeScaling("factors", freq_factors=factors)
     if kind == "none":
         return None
     if kind == "linear":
         return RopeScaling("linear", float(p.require("rope.scaling.factor")))
     raise p.unsupported(f"RoPE scaling ({kind})")
+
+
+def _rope_freqs(p: GGUFParams) -> tuple[float, ...]:
+    (info,) = [t for t in p.header.tensors if t.name == "rope_freqs.weight"]
+    if info.type_name != "F32":
+        raise p.unsupported(f"a {info.type_name} rope_freqs tensor")
+    count = prod(info.shape)
+    # The header reader checked the tensor's bytes are all in the file.
+    with open(p.path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(4 * count)
+    return struct.unpack(f"{p.header.byte_order}{count}f", data)
 
 
 def every_layer(p: GGUFParams, window: int | None) -> tuple[int | None, ...]:
@@ -147,7 +168,7 @@ def gguf_base_config(p: GGUFParams, architecture: str, **switches) -> ModelConfi
     if "rope_theta" not in switches:
         switches = {
             "rope_theta": float(p.get("rope.freq_base", 10000.0)),
-            "rope_scaling": rope_scaling(p),
+            "rope_scaling": rope_scaling(p, int(head_dim or hidden // n_heads)),
             **switches,
         }
     switches.setdefault("qkv_bias", p.has("blk.0.attn_q.bias"))
