@@ -44,7 +44,8 @@
 #define Q4_1_QBYTES 16
 #define Q8_0_QBYTES 32
 
-enum { SS_F32 = 0, SS_Q4_1 = 1, SS_Q8_0 = 2, SS_Q4_1_A8 = 3, SS_Q8_0_A8 = 4 };
+/* The _TILES kinds are the _A8 kinds in 16-output tiles (linear_a8.h), VNNI-512 builds only. */
+enum { SS_F32 = 0, SS_Q4_1 = 1, SS_Q8_0 = 2, SS_Q4_1_A8 = 3, SS_Q8_0_A8 = 4, SS_Q4_1_A8_TILES = 5, SS_Q8_0_A8_TILES = 6 };
 
 typedef struct {
   int32_t kind;
@@ -533,6 +534,10 @@ static void linear_q8_0(const ss_linear *w, const float *x, int rows, float *y, 
 
 #include "linear_a8.h"
 
+static inline int takes_int8(int kind) {
+  return kind == SS_Q4_1_A8 || kind == SS_Q8_0_A8 || kind == SS_Q4_1_A8_TILES || kind == SS_Q8_0_A8_TILES;
+}
+
 static void block_sums(const float *x, int rows, int in, float *xsum) {
   int nb = in / QK;
   for (int r = 0; r < rows; r++)
@@ -551,7 +556,7 @@ static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, i
   if (r1 <= r0) return;
   if (w->kind == SS_Q4_1)
     block_sums(x + (size_t)r0 * in, r1 - r0, in, xsum + (size_t)r0 * nb);
-  else if (w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8)
+  else if (takes_int8(w->kind))
     quantize_rows_part(x, rows, in, acts, r0 * nb, r1 * nb);
 }
 
@@ -559,6 +564,18 @@ static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, i
 static void linear_part(const ss_linear *w, const float *x, const float *xsum, const ss_acts *acts,
                         int rows, float *y, int tid, int nth) {
   int o0, o1;
+#if SS_VNNI512
+  if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) { /* whole tiles per thread */
+    split((w->out_features + A8_TILE - 1) / A8_TILE, tid, nth, &o0, &o1);
+    o0 *= A8_TILE;
+    o1 = o1 * A8_TILE < w->out_features ? o1 * A8_TILE : w->out_features;
+    if (w->kind == SS_Q4_1_A8_TILES)
+      linear_q4_1_a8_tiles(w, acts, rows, y, o0, o1);
+    else
+      linear_q8_0_a8_tiles(w, acts, rows, y, o0, o1);
+    return;
+  }
+#endif
   split(w->out_features, tid, nth, &o0, &o1);
   if (w->kind == SS_Q4_1_A8)
     linear_q4_1_a8(w, acts, rows, y, o0, o1);
@@ -963,6 +980,8 @@ static void step_job(void *arg, int tid, int nth) {
 
 static int check_linear(const ss_linear *w) {
   if (w->kind == SS_F32) return 0;
+  if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) /* this build's layout only */
+    return SS_VNNI512 && w->in_features % QK == 0 && w->data ? 0 : -1;
   if ((w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8) && w->in_features % QK == 0 && w->scales && w->mins)
     return 0;
   if (w->kind == SS_Q8_0 && w->in_features % QK == 0 && w->scales) return 0;
@@ -1073,6 +1092,9 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
 }
 
 int ss_simd(void) { return SS_AVX2; }
+
+/* 1 where this build multiplies int8 activations in 16-output tiles (the _TILES kinds). */
+int ss_a8_tiles(void) { return SS_VNNI512; }
 
 /* The K/V conversions alone, for tests: n floats to halves as a K/V store rounds them, and n
  * halves to floats as attention reads them. */

@@ -27,6 +27,7 @@ from shared.modelfile.default import default_model_path
 from shared.modelfile.gguf_meta import read_gguf_config
 from shared.modelfile.hf_config import read_hf_config
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
+from shared.rpc import event_loop
 from shared.rpc.auth import InternalAuth
 from shared.telemetry.tracing import Tracing
 from shared.tokenizer import Tokenizer
@@ -193,4 +194,4 @@ def run_coordinator(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s"
     )
-    asyncio.run(serve_coordinator(config, bind_host, port))
+    event_loop.run(serve_coordinator(config, bind_host, port))

@@ -46,7 +46,10 @@ def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
 
 def repack(kind: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks [out, in/32, 20|34] -> (quants, fp32 scales, fp32 mins or None), the layout
-    the kernel reads (see decode_step.c, linear_a8.h): the same values, nothing re-quantized."""
+    the kernel reads (see decode_step.c, linear_a8.h): the same values, nothing re-quantized.
+    The _A8_TILES kinds carry their scales inside the tiles: (tiles, None, None)."""
+    if kind in (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES):
+        return _tiles(kind, blocks), None, None
     if kind in (abi.Q4_1, abi.Q4_1_A8):
         quants = np.ascontiguousarray(blocks[..., 4:20])
         if kind == abi.Q4_1_A8:
@@ -60,6 +63,33 @@ def repack(kind: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
         scales = _fp16_field(blocks, 0)
         return quants, scales, np.ascontiguousarray(-128.0 * scales * sums, dtype=np.float32)
     return quants, _fp16_field(blocks, 0), None
+
+
+def _tiles(kind: int, blocks: np.ndarray) -> np.ndarray:
+    """GGUF blocks -> linear_a8.h's 16-output tiles [tiles, blocks, 320|576] (uint8): per tile
+    and block, the quants as vectors of 4 bytes per output, then the file's fp16 scales (and
+    Q4_1's fp16 mins, or Q8_0's int16 quant sums). Outputs are padded to whole tiles with
+    zero blocks, whose products are zero and never stored."""
+    out, nb, width = blocks.shape
+    tiles = -(-out // abi.TILE)
+    padded = np.zeros((tiles * abi.TILE, nb, width), dtype=np.uint8)
+    padded[:out] = blocks
+    per_tile = padded.reshape(tiles, abi.TILE, nb, width)
+
+    def by_block(field: np.ndarray) -> np.ndarray:  # [tiles, 16, nb, k] -> [tiles, nb, 16 * k]
+        return field.transpose(0, 2, 1, 3).reshape(tiles, nb, -1)
+
+    if kind == abi.Q4_1_A8_TILES:
+        quants = per_tile[..., 4:20].reshape(tiles, abi.TILE, nb, 4, 4)
+        parts = [per_tile[..., 0:2], per_tile[..., 2:4]]  # fp16 scales, fp16 mins
+    else:
+        quants = per_tile[..., 2:34].reshape(tiles, abi.TILE, nb, 8, 4)
+        sums = per_tile[..., 2:34].view(np.int8).astype(np.int16).sum(axis=-1, dtype=np.int16)
+        sum_bytes = np.ascontiguousarray(sums).view(np.uint8).reshape(tiles, abi.TILE, nb, 2)
+        parts = [per_tile[..., 0:2], sum_bytes]  # fp16 scales, int16 sums
+    # [tiles, 16 outputs, nb, v, 4 bytes] -> [tiles, nb, v, 16 outputs, 4 bytes]
+    vectors = quants.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, -1)
+    return np.ascontiguousarray(np.concatenate([vectors] + [by_block(f) for f in parts], axis=-1))
 
 
 def _regroup_nibbles(quants: np.ndarray) -> np.ndarray:
@@ -82,6 +112,14 @@ def _regroup_nibbles(quants: np.ndarray) -> np.ndarray:
         parts.append(quants[:, done])
     packed = np.concatenate(parts, axis=1).astype(np.uint8)
     return np.ascontiguousarray(packed.reshape(out, nb, 16))
+
+
+def int8_kinds(lib) -> tuple[int, int]:
+    """The (Q4_1, Q8_0) kinds this build multiplies int8 activations with: 16-output tiles
+    where it has them (VNNI-512), else the row-major _A8 layout."""
+    if lib.ss_a8_tiles():
+        return abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES
+    return abi.Q4_1_A8, abi.Q8_0_A8
 
 
 # How the native step multiplies: "fp32" activations against the dequantized blocks (the fp32
@@ -114,6 +152,7 @@ class NativeStep:
         self._keep: list[object] = []  # arrays the C structs point into
         t = checkpoint.tensors
         self._weight_bytes = 0
+        self._int8_kinds = int8_kinds(lib)
         layers = (abi.Layer * cfg.num_layers)()
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -221,8 +260,8 @@ class NativeStep:
         inp = t[names[0]].shape[1]
         int8 = self.activations == "int8" if int8 is None else int8
         for kind, blocks in (
-            (abi.Q4_1_A8 if int8 else abi.Q4_1, checkpoint.q4_1_blocks),
-            (abi.Q8_0_A8 if int8 else abi.Q8_0, checkpoint.q8_0_blocks),
+            (self._int8_kinds[0] if int8 else abi.Q4_1, checkpoint.q4_1_blocks),
+            (self._int8_kinds[1] if int8 else abi.Q8_0, checkpoint.q8_0_blocks),
         ):
             if all(n in blocks for n in names):
                 # Copied onto huge pages: every step streams all of them (see huge_pages.py).
@@ -239,7 +278,7 @@ class NativeStep:
                     inp,
                     0,
                     quants.ctypes.data,
-                    scales.ctypes.data,
+                    scales.ctypes.data if scales is not None else None,
                     mins.ctypes.data if mins is not None else None,
                 )
         dense = torch.cat([t[n] for n in names], dim=0).float().contiguous()
@@ -306,7 +345,14 @@ class NativeMatrix:
     def nbytes_per_call(self) -> int:
         n = self.linear.out_features * self.linear.in_features
         blocks = n // abi.GROUP
-        per_block = {abi.Q4_1: 24, abi.Q4_1_A8: 24, abi.Q8_0: 36, abi.Q8_0_A8: 40}
+        per_block = {
+            abi.Q4_1: 24,
+            abi.Q4_1_A8: 24,
+            abi.Q4_1_A8_TILES: 20,
+            abi.Q8_0: 36,
+            abi.Q8_0_A8: 40,
+            abi.Q8_0_A8_TILES: 36,
+        }
         return blocks * per_block[self.linear.kind] if self.linear.kind in per_block else n * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,16 @@ _DIGITS_THEN_GPT2 = frozenset(
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_GPT2_STYLE | _DIGITS_THEN_GPT2))
 
 
+def splits_digits_first(pre: str | None) -> bool | None:
+    """Whether the GPT-2 split of `pre` isolates each digit first; None where `pre` is not a
+    GPT-2-style split at all (shared/tokenizer/word_cache.py takes only these)."""
+    if pre in _DIGITS_THEN_GPT2:
+        return True
+    if pre in _GPT2_STYLE:
+        return False
+    return None
+
+
 def build_pre_tokenizer(pre: str | None, source: str) -> pre_tokenizers.PreTokenizer:
     """The `tokenizers` pre-tokenizer for a GGUF `tokenizer.ggml.pre` value.
 

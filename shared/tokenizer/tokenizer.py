@@ -14,8 +14,9 @@ from shared.tokenizer.byte_level import token_bytes_table
 from shared.tokenizer.chat_template import ChatTemplate
 from shared.tokenizer.gguf_vocab import GGUFVocab, read_gguf_vocab
 from shared.tokenizer.hf_vocab import read_hf_vocab
-from shared.tokenizer.pretokenize import build_pre_tokenizer
+from shared.tokenizer.pretokenize import build_pre_tokenizer, splits_digits_first
 from shared.tokenizer.spm_pieces import spm_token_bytes_table
+from shared.tokenizer.word_cache import WordCache
 
 # What each `tokenizer.ggml.model` value means, for an error message a person can act on.
 _TOKENIZER_MODELS = {
@@ -50,6 +51,7 @@ class Tokenizer:
         self._vocab = vocab
         # A folder brings its own pipeline (tokenizer.json); a GGUF's is rebuilt from metadata.
         self._rust = rust if rust is not None else _build_rust_tokenizer(vocab)
+        self._word_cache = None if rust is not None else _word_cache(vocab, self._rust)
         verbatim = {*vocab.control_token_ids, *vocab.user_defined_token_ids}
         self._token_bytes = (
             spm_token_bytes_table(vocab.tokens, verbatim)
@@ -153,7 +155,9 @@ class Tokenizer:
         file asks for them (this model asks for neither)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        ids = self._rust.encode(text, add_special_tokens=False).ids
+        ids = self._word_cache.encode(text) if self._word_cache is not None else None
+        if ids is None:
+            ids = self._rust.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             ids = [*self._prefix_ids, *ids, *self._suffix_ids]
         return ids
@@ -201,6 +205,20 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._vocab.tokens[token_id]
+
+
+def _word_cache(vocab: GGUFVocab, rust: _RustTokenizer) -> WordCache | None:
+    """The plain-ASCII fast path where the file's split is one it reproduces exactly."""
+    digits_first = splits_digits_first(vocab.pre)
+    if vocab.model != "gpt2" or digits_first is None:
+        return None
+    bpe = rust.model
+
+    def tokenize_word(word: str) -> list[int]:
+        return [t.id for t in bpe.tokenize(word)]
+
+    added = {vocab.tokens[i]: i for i in (*vocab.control_token_ids, *vocab.user_defined_token_ids)}
+    return WordCache(tokenize_word, digits_first, added)
 
 
 def _build_rust_tokenizer(vocab: GGUFVocab) -> _RustTokenizer:

@@ -20,7 +20,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.kvcache.pool import KVPool
 from shared.model.llama import LlamaModel
-from shared.model.native_step import NativeMatrix, NativeStep, repack
+from shared.model.native_step import NativeMatrix, NativeStep, NativeStepError, int8_kinds, repack
 from shared.model.tiny import tiny_checkpoint, tiny_quantized_checkpoint
 from shared.sampling.params import SamplingParams
 
@@ -168,7 +168,7 @@ def _linear(code: int, blocks: np.ndarray) -> abi.Linear:
         blocks.shape[1] * 32,
         0,
         quants.ctypes.data,
-        scales.ctypes.data,
+        scales.ctypes.data if scales is not None else None,
         mins.ctypes.data if mins is not None else None,
     )
     linear._arrays = (quants, scales, mins)  # type: ignore[attr-defined]  # kept alive
@@ -176,14 +176,19 @@ def _linear(code: int, blocks: np.ndarray) -> abi.Linear:
 
 
 # 576 = 4 groups of 4 blocks + a pair; 160 = a group + a single block; 96 = a pair + a single.
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+# 37 outputs: two whole 16-output tiles and a padded one.
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1-tiles", "q8_0-tiles"])
 @pytest.mark.parametrize("inp", [32, 96, 160, 576])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_activation_matrix_equals_its_quantized_product(native_lib, kind, inp, threads):
     make, dense_of, code = {
         "q4_1": (_q4_1_blocks, _q4_1_dense, abi.Q4_1_A8),
         "q8_0": (_q8_0_blocks, _q8_0_dense, abi.Q8_0_A8),
+        "q4_1-tiles": (_q4_1_blocks, _q4_1_dense, abi.Q4_1_A8_TILES),
+        "q8_0-tiles": (_q8_0_blocks, _q8_0_dense, abi.Q8_0_A8_TILES),
     }[kind]
+    if code in (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES) and not native_lib.ss_a8_tiles():
+        pytest.skip("this CPU's build has no 16-output tiles (they need AVX512-VNNI)")
     blocks = make(37, inp, seed=inp)
     matrix = NativeMatrix(_Holder(native_lib, threads), _linear(code, blocks))  # type: ignore[arg-type]
     x = torch.randn(6, inp, generator=torch.Generator().manual_seed(inp))
@@ -219,6 +224,21 @@ def test_the_other_simd_paths_compute_the_same_products(flags, monkeypatch, tmp_
         inputs = _quantized_activations(x.double()) if quantized else x.double()
         want = inputs @ dense_of(blocks).double().T
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), code
+    # Tiles are the VNNI-512 build's layout: these builds say so, and refuse such a matrix.
+    assert build.library.ss_a8_tiles() == 0
+    tiles = _linear(abi.Q4_1_A8_TILES, _q4_1_blocks(37, 160, seed=1))
+    with pytest.raises(NativeStepError):
+        NativeMatrix(holder, tiles)(x)  # type: ignore[arg-type]
+
+
+def test_the_step_multiplies_int8_activations_in_this_builds_layout(native_lib):
+    """The model's matrices take the tiles exactly where the build has them."""
+    want = (
+        (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES)
+        if native_lib.ss_a8_tiles()
+        else (abi.Q4_1_A8, abi.Q8_0_A8)
+    )
+    assert int8_kinds(native_lib) == want
 
 
 def test_a_matrix_with_ragged_blocks_is_refused(native_lib):
