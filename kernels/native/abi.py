@@ -5,9 +5,9 @@ from __future__ import annotations
 import ctypes
 
 # Matrix kinds; the _A8 ones take int8 activations (linear_a8.h), and the _A8_TILES ones are
-# the same products with 16 outputs interleaved per vector (VNNI-512 builds: ss_a8_tiles()).
+# the same products with a tile of outputs interleaved per vector (ss_a8_tiles(): 16 outputs
+# on VNNI-512 builds, 8 on AVX2 ones, which tile Q4_1 only: ss_a8_q8_tiles()).
 F32, Q4_1, Q8_0, Q4_1_A8, Q8_0_A8, Q4_1_A8_TILES, Q8_0_A8_TILES = 0, 1, 2, 3, 4, 5, 6
-TILE = 16  # outputs per tile of the _A8_TILES kinds
 GROUP = 32  # elements per quantized block
 
 
@@ -97,5 +97,7 @@ def declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
     lib.ss_simd.argtypes = []
     lib.ss_simd.restype = ctypes.c_int
-    lib.ss_a8_tiles.argtypes = []
-    lib.ss_a8_tiles.restype = ctypes.c_int
+    for name in ("ss_a8_tiles", "ss_a8_q8_tiles"):
+        fn = getattr(lib, name)
+        fn.argtypes = []
+        fn.restype = ctypes.c_int

@@ -56,6 +56,11 @@ def cpu_signature() -> str:
     return f"{platform.machine()}|{model}|{flags}"
 
 
+def source_digest() -> str:
+    """The native kernels' source, hashed: what a timing of them is only valid for."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return Path(base) / "splitserve" / "native"

@@ -188,6 +188,29 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
+/* The same exp on 256-bit vectors (AVX2 has no scalef: 2^k is built in the exponent bits,
+ * so x is also capped at 88, where exp is still finite). Where both run they agree: same
+ * reduction, same polynomial, and p * 2^k is exact in either. On an AVX2-only CPU the scalar
+ * expf of every softmax score and SiLU input was a third of a 1k-token prefill. */
+#if SS_AVX2
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 /* The largest of s[0..n), vectorized: a scalar max is a chain of dependent compares, one per
  * score, and there are positions x heads of them in every layer. */
 static inline float max_of(const float *s, int n) {
@@ -226,6 +249,15 @@ static float exp_shifted(float *s, int n, float shift) {
     sum = _mm512_add_ps(sum, e);
   }
   total = _mm512_reduce_add_ps(sum);
+#elif SS_AVX2
+  const __m256 vshift = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vshift));
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  total = hsum8(sum);
 #endif
   for (; i < n; i++) {
     s[i] = expf(s[i] - shift);
@@ -243,6 +275,13 @@ static void silu_mul(const float *g, const float *u, float *a, int n) {
     __m512 gv = _mm512_loadu_ps(g + i);
     __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+#elif SS_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i);
+    __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
   }
 #endif
   for (; i < n; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -564,15 +603,18 @@ static void prepare_rows(const ss_linear *w, const float *x, int rows, int r0, i
 static void linear_part(const ss_linear *w, const float *x, const float *xsum, const ss_acts *acts,
                         int rows, float *y, int tid, int nth) {
   int o0, o1;
-#if SS_VNNI512
+#if SS_AVX2
   if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) { /* whole tiles per thread */
     split((w->out_features + A8_TILE - 1) / A8_TILE, tid, nth, &o0, &o1);
     o0 *= A8_TILE;
     o1 = o1 * A8_TILE < w->out_features ? o1 * A8_TILE : w->out_features;
-    if (w->kind == SS_Q4_1_A8_TILES)
-      linear_q4_1_a8_tiles(w, acts, rows, y, o0, o1);
-    else
+#if SS_VNNI512
+    if (w->kind == SS_Q8_0_A8_TILES) {
       linear_q8_0_a8_tiles(w, acts, rows, y, o0, o1);
+      return;
+    }
+#endif
+    linear_q4_1_a8_tiles(w, acts, rows, y, o0, o1); /* check_linear admitted only these */
     return;
   }
 #endif
@@ -756,6 +798,41 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
 }
 #endif
 
+#if SS_AVX2 && !SS_AVX512
+/* The AVX2 build's attention: a GQA group's heads share each K and V row, so a block's rows
+ * are widened to fp32 once into a scratch tile and every head reads them from there, and
+ * eight positions' dots are reduced together; converting a row per head and reducing every
+ * dot alone made attention 45% of a batch-8 step at 512 tokens of context. */
+#define AVX2_ROWS 16 /* positions widened at a time: one 16-token block */
+
+/* rows [0, cnt) of K or V (element index k, row stride `stride`) as fp32 [cnt, 64]. */
+static inline void widen_rows(const void *base, size_t k, int stride, int cnt, int half, float *dst) {
+  for (int u = 0; u < cnt; u++, k += (size_t)stride)
+    for (int i = 0; i < 64; i += 8) {
+      __m256 v = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + k + i)))
+                      : _mm256_loadu_ps((const float *)base + k + i);
+      _mm256_storeu_ps(dst + u * 64 + i, v);
+    }
+}
+
+/* out[u] = scale * q . rows[u] for u < cnt (<= 8), head_dim 64. */
+static inline void scores8(const float *q, const float *rows, int cnt, float scale, float *out) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; u++) {
+    acc[u] = _mm256_setzero_ps();
+    if (u < cnt)
+      for (int i = 0; i < 64; i += 8)
+        acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(rows + u * 64 + i), acc[u]);
+  }
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+  for (int u = 0; u < cnt; u++) out[u] = lanes[u];
+}
+#endif
+
 static inline int attn_splits(int ctx, int nth) {
   int splits = ctx / 64;
   if (splits > nth) splits = nth;
@@ -788,6 +865,9 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
   int hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim, group = hq / hkv;
   int qkv_width = (hq + 2 * hkv) * d, part_stride = group * (d + 2);
   float *scores = c->scores + (size_t)tid * c->scores_stride;
+#if SS_AVX2 && !SS_AVX512
+  float wide[AVX2_ROWS * 64]; /* one block's K or V rows as fp32 */
+#endif
   for (int item = tid; item < c->item_offsets[c->rows]; item += nth) {
     int r = item_row(c, item), ctx = c->positions[r] + 1, splits = attn_splits(ctx, nth);
     int local = item - c->item_offsets[r], g = local / splits, sp = local % splits;
@@ -814,6 +894,18 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
           int cnt = stop - t < 16 ? stop - t : 16;
           for (int j = 0; j < group; j++)
             scores16(q + j * d, base, k, slot_stride, cnt, m->scale, scores + j * n + (t - t0), half);
+        }
+        t = stop;
+        continue;
+      }
+#elif SS_AVX2
+      if (d == 64) { /* the block's K rows widened once, eight dots reduced together */
+        for (; t < stop; t += AVX2_ROWS, k += (size_t)AVX2_ROWS * slot_stride) {
+          int cnt = stop - t < AVX2_ROWS ? stop - t : AVX2_ROWS;
+          widen_rows(base, k, slot_stride, cnt, half, wide);
+          for (int j = 0; j < group; j++)
+            for (int u = 0; u < cnt; u += 8)
+              scores8(q + j * d, wide + u * 64, cnt - u < 8 ? cnt - u : 8, m->scale, scores + j * n + (t - t0) + u);
         }
         t = stop;
         continue;
@@ -859,6 +951,32 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
       }
       for (int j = 0; j < group; j++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(part + j * (d + 2) + 2 + i * 16, acc[j][i]);
+      continue;
+    }
+#elif SS_AVX2
+    if (d == 64) { /* per block: V rows widened once, each head's 64 outputs in registers */
+      for (int t = t0; t < t1;) {
+        int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+        size_t v = kv_index(c, layer, 1, r, t, g);
+        if (stop < t1) {
+          int next = t1 - stop < bs ? t1 - stop : bs;
+          prefetch_block(base, kv_index(c, layer, 1, r, stop, g), next, slot_stride, d, half);
+        }
+        for (; t < stop; t += AVX2_ROWS, v += (size_t)AVX2_ROWS * slot_stride) {
+          int cnt = stop - t < AVX2_ROWS ? stop - t : AVX2_ROWS;
+          widen_rows(base, v, slot_stride, cnt, half, wide);
+          for (int j = 0; j < group; j++) {
+            float *y = part + j * (d + 2) + 2;
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(y + 8 * i);
+            for (int u = 0; u < cnt; u++) {
+              __m256 p = _mm256_set1_ps(scores[j * n + (t - t0) + u]);
+              for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(wide + u * 64 + 8 * i), acc[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + 8 * i, acc[i]);
+          }
+        }
+      }
       continue;
     }
 #endif
@@ -980,8 +1098,10 @@ static void step_job(void *arg, int tid, int nth) {
 
 static int check_linear(const ss_linear *w) {
   if (w->kind == SS_F32) return 0;
-  if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) /* this build's layout only */
-    return SS_VNNI512 && w->in_features % QK == 0 && w->data ? 0 : -1;
+  if (w->kind == SS_Q4_1_A8_TILES || w->kind == SS_Q8_0_A8_TILES) { /* this build's layout only */
+    int built = w->kind == SS_Q4_1_A8_TILES ? SS_AVX2 : SS_VNNI512;
+    return built && w->in_features % QK == 0 && w->data ? 0 : -1;
+  }
   if ((w->kind == SS_Q4_1_A8 || w->kind == SS_Q8_0_A8) && w->in_features % QK == 0 && w->scales && w->mins)
     return 0;
   if (w->kind == SS_Q8_0 && w->in_features % QK == 0 && w->scales) return 0;
@@ -1093,8 +1213,18 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
 
 int ss_simd(void) { return SS_AVX2; }
 
-/* 1 where this build multiplies int8 activations in 16-output tiles (the _TILES kinds). */
-int ss_a8_tiles(void) { return SS_VNNI512; }
+/* Outputs per tile where this build multiplies int8 activations in tiles (the _TILES kinds:
+ * 16 with VNNI-512, 8 with AVX2, which tiles Q4_1 only), or 0 where it has none. */
+int ss_a8_tiles(void) {
+#if SS_AVX2
+  return A8_TILE;
+#else
+  return 0;
+#endif
+}
+
+/* 1 where this build has Q8_0 tiles too (VNNI-512). */
+int ss_a8_q8_tiles(void) { return SS_VNNI512; }
 
 /* The K/V conversions alone, for tests: n floats to halves as a K/V store rounds them, and n
  * halves to floats as attention reads them. */

@@ -380,6 +380,8 @@ static void linear_q8_0_a8(const ss_linear *w, const ss_acts *a, int rows, float
 #define A8_TILE 16
 #define Q4_1_TILE_BYTES (4 * 64 + 2 * 32)
 #define Q8_0_TILE_BYTES (8 * 64 + 2 * 32)
+/* Blocks ahead whose bytes are requested early: the first row group streams the weights. */
+#define A8_TILE_AHEAD 4
 
 static inline __m512i bcast4(const void *p) {
   int32_t v;
@@ -404,6 +406,7 @@ static void linear_q4_1_a8_tiles(const ss_linear *w, const ss_acts *a, int rows,
       for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm512_setzero_ps();
       for (int b = 0; b < nb; b++) {
         const uint8_t *p = tile + (size_t)b * Q4_1_TILE_BYTES;
+        if (r0 == 0) prefetch_bytes(p + A8_TILE_AHEAD * Q4_1_TILE_BYTES, Q4_1_TILE_BYTES);
         __m512i wv[8];
         for (int v = 0; v < 4; v++) {
           __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
@@ -438,6 +441,7 @@ static void linear_q8_0_a8_tiles(const ss_linear *w, const ss_acts *a, int rows,
       for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm512_setzero_ps();
       for (int b = 0; b < nb; b++) {
         const uint8_t *p = tile + (size_t)b * Q8_0_TILE_BYTES;
+        if (r0 == 0) prefetch_bytes(p + A8_TILE_AHEAD * Q8_0_TILE_BYTES, Q8_0_TILE_BYTES);
         __m512i wv[8];
         for (int v = 0; v < 8; v++) wv[v] = _mm512_loadu_si512((const void *)(p + 64 * v));
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
@@ -455,6 +459,73 @@ static void linear_q8_0_a8_tiles(const ss_linear *w, const ss_acts *a, int rows,
         }
       }
       for (int r = 0; r < nr; r++) store_tile(y + (size_t)(r0 + r) * out + t, acc[r], valid);
+    }
+  }
+}
+#endif
+
+#if SS_AVX2 && !SS_VNNI512
+/* ---------------------------------------------------------------- 8-output tiles (AVX2)
+ *
+ * The same idea on 256-bit vectors without VNNI: eight outputs side by side, one broadcast
+ * 4-byte run of the input per `vpmaddubsw`. A block's eight products fit int16 exactly
+ * (|w| <= 15, |x| <= 127: each pair <= 3,810, eight of them <= 30,480), so they are summed
+ * in 16 bits and widened once, where the row-major path widened every block of every output.
+ * Layout per tile of 8 outputs and per block (160 bytes, the file's 20 per output-block):
+ * 4 x 32 bytes where vector v, lane i, byte c is the file's quant byte 4v + c of output i,
+ * then 8 fp16 scales and 8 fp16 mins. Q4_1 only: this build's Q8_0 stays row-major (in the
+ * bundled model only the head is Q8_0, and it takes fp32 activations). */
+#define A8_TILE 8
+#define Q4_1_TILE_BYTES (4 * 32 + 2 * 16)
+/* Blocks ahead whose bytes are requested early: the first row group streams the weights. */
+#define A8_TILE_AHEAD 4
+
+static inline __m256i bcast4(const void *p) {
+  int32_t v;
+  memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+static void linear_q4_1_a8_tiles(const ss_linear *w, const ss_acts *a, int rows, float *y, int o0, int o1) {
+  int in = w->in_features, out = w->out_features, nb = in / QK;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int t = o0; t < o1; t += A8_TILE) {
+    const uint8_t *tile = (const uint8_t *)w->data + (size_t)(t / A8_TILE) * nb * Q4_1_TILE_BYTES;
+    int valid = out - t < A8_TILE ? out - t : A8_TILE;
+    for (int r0 = 0; r0 < rows; r0 += A8_ROWS) {
+      int nr = rows - r0 < A8_ROWS ? rows - r0 : A8_ROWS;
+      __m256 acc[A8_ROWS];
+      for (int r = 0; r < A8_ROWS; r++) acc[r] = _mm256_setzero_ps();
+      for (int b = 0; b < nb; b++) {
+        const uint8_t *p = tile + (size_t)b * Q4_1_TILE_BYTES;
+        if (r0 == 0) prefetch_bytes(p + A8_TILE_AHEAD * Q4_1_TILE_BYTES, Q4_1_TILE_BYTES);
+        __m256i s16[A8_ROWS];
+        for (int r = 0; r < A8_ROWS; r++) s16[r] = _mm256_setzero_si256();
+        for (int v = 0; v < 4; v++) {
+          __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 32 * v));
+          __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          for (int r = 0; r < A8_ROWS; r++) {
+            if (r >= nr) break;
+            const int8_t *xq = a->q + ((size_t)(r0 + r) * nb + b) * QK;
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * v)));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * v)));
+          }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 128)));
+        __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 144)));
+        for (int r = 0; r < A8_ROWS; r++) {
+          if (r >= nr) break;
+          size_t at = (size_t)(r0 + r) * nb + b;
+          __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+          acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->d[at])), acc[r]);
+          acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[at]), acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; r++) {
+        float lanes[A8_TILE];
+        _mm256_storeu_ps(lanes, acc[r]);
+        memcpy(y + (size_t)(r0 + r) * out + t, lanes, sizeof(float) * (size_t)valid);
+      }
     }
   }
 }

@@ -8,8 +8,10 @@ concurrent greedy streams (ignore_eos) while a worker is hit:
   (its streams migrate; the supervisor restarts it);
 - kill_prefill: SIGKILL of a prefill replica as the first stream gets its first token (the
   others are still being prefilled: they retry on the other prefill or prefill locally);
-- drain_decode: SIGTERM of a decode replica serving streams (they finish there; nothing new
-  is routed to it; then it exits and is restarted);
+- drain_decode: SIGTERM of a decode replica serving streams (nothing new is routed to it;
+  its streams finish there, or, when they outlast its grace (`drain_grace_s`, short by
+  default so that they do), are handed over to the other decode replica and migrate; then
+  it exits and is restarted);
 - restart_decode_same_name: a decode replica killed and restarted (same name, new process
   and address) *before* the streams, which must then go through it like any other;
 - kill_coordinator (two coordinators or more): SIGKILL of the last coordinator once one of
@@ -21,8 +23,9 @@ prefix caches that would skip the prefill being killed). Keys per scenario: `str
 `identical`, `failed`, `leaked_blocks` (KV blocks still held on any worker once the stack is
 idle again), `recovery_s` (from the hit to the replica serving again), `p99_stall_ms` (p99
 over surviving streams of the longest gap between two of its tokens); the calm run beside
-them. Targets: identical == streams and leaked_blocks == 0; for kill_coordinator, streams
-on the killed coordinator may fail (nothing else), and a new request succeeds within 2 s.
+them; drain_decode adds `handed_over` (its streams that moved when the grace ran out).
+Targets: identical == streams and leaked_blocks == 0; for kill_coordinator, streams on the
+killed coordinator may fail (nothing else), and a new request succeeds within 2 s.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class ChaosBenchSpec:
     decode: int = 2
     coordinators: int = 1
     hit_after_tokens: int = 6  # kill_decode / drain_decode: once a stream is this far in
+    # Every worker's drain grace: shorter than the streams, so drain_decode hands them over.
+    drain_grace_s: float = 1.0
     prompt_words: int = 60
     weights: str = "fp32"
     scenarios: tuple[str, ...] = WORKER_SCENARIOS
@@ -75,6 +80,7 @@ class StreamResult:
     tokens: int = 0
     gaps_ms: list[float] = field(default_factory=list)
     error: str | None = None
+    moves: list[str] = field(default_factory=list)  # why each attempt after the first began
 
 
 async def _stream(client: httpx.AsyncClient, url: str, r: StreamResult, max_tokens: int) -> None:
@@ -90,9 +96,12 @@ async def _stream(client: httpx.AsyncClient, url: str, r: StreamResult, max_toke
     last = None
     try:
         async for data in stream_events(client, url, body, timeout_s=300):
-            replica = data.get("metadata", {}).get("replica")
+            metadata = data.get("metadata", {})
+            replica = metadata.get("replica")
             if replica and not r.decode:
                 r.prefill, _, r.decode = replica.rpartition("->")
+            if metadata.get("attempts"):  # the first chunk and the last: the last one wins
+                r.moves = [a["reason"] for a in json.loads(metadata["attempts"])[1:]]
             for choice in data.get("choices", []):
                 if choice.get("delta", {}).get("content"):
                     now = time.perf_counter()
@@ -280,7 +289,9 @@ def _scenario(stack: LocalStack, spec: ChaosBenchSpec, scenario: str, workers: i
         recovery = _recovery_s(stack, hit.name, hit.at, hit.restarts, spec.recovery_timeout_s)
         if scenario == "drain_decode":
             drained = [r for r in results if r.decode and _is_process_of(r.decode, hit.name)]
-            extra["finished_on_drained_replica"] = len(drained)
+            handed_over = sum("drain" in r.moves for r in drained)
+            extra["finished_on_drained_replica"] = len(drained) - handed_over
+            extra["handed_over"] = handed_over
     _wait_healed(stack, workers, spec.recovery_timeout_s)
     leaked = leaked_blocks(stack)
     calm = asyncio.run(_run_streams(stack, prompts, spec.max_tokens))
@@ -331,11 +342,13 @@ def run(spec: ChaosBenchSpec) -> dict:
             "decode": spec.decode,
         },
         "weights": spec.weights,
+        "drain_grace_s": spec.drain_grace_s,
         "scenarios": {},
     }
     pools = {"prefill": spec.prefill, "decode": spec.decode}
     raw = loopback_config(pools, spec.weights)
     raw["coordinator"]["replicas"] = spec.coordinators
+    raw["worker_drain_grace_s"] = spec.drain_grace_s
     with start_local_stack(parse_config(raw), startup_timeout_s=300) as stack:
         _wait_healed(stack, workers, spec.recovery_timeout_s)  # every coordinator knows all
         for scenario in spec.scenarios:
@@ -355,6 +368,8 @@ def table_rows(result: dict) -> list[tuple[str, object, object, object]]:
         stall, calm = s["p99_stall_ms"], s["calm"]["p99_stall_ms"]
         ratio = stall / calm if stall and calm else None
         rows.append((f"{short}: p99 stall ms vs calm", stall, calm, ratio))
+        if name == "drain_decode":
+            rows.append((f"{short}: handed over", s["handed_over"], None, None))
         if name == "kill_coordinator":
             rows.append((f"{short}: failed on survivors", s["failed_on_survivors"], 0, None))
             rows.append(

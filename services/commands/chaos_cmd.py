@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands.common import WEIGHT_FORMATS, fail, positive_int
+from services.commands.common import WEIGHT_FORMATS, fail, positive_float, positive_int
 
 
 def add_bench(kinds) -> None:
@@ -24,6 +24,13 @@ def add_bench(kinds) -> None:
         help="coordinators sharing the workers; 2 or more adds kill_coordinator",
     )
     bench.add_argument("--weights", default="fp32", choices=WEIGHT_FORMATS)
+    bench.add_argument(
+        "--drain-grace-s",
+        type=positive_float,
+        default=1.0,
+        help="every worker's drain grace; shorter than the streams (the default), "
+        "drain_decode hands them over to the other decode replica",
+    )
     bench.add_argument(
         "--scenarios",
         default=None,
@@ -59,6 +66,7 @@ def run_bench_chaos(args: argparse.Namespace) -> int:
         decode=args.decode,
         coordinators=args.coordinators,
         weights=args.weights,
+        drain_grace_s=args.drain_grace_s,
         scenarios=scenarios,
     )
     result = chaos_bench.run(spec)

@@ -2,10 +2,12 @@
 what the next attempt asks for.
 
 Every attempt after the first has a reason: `fallback` (the previous model missed its TTFT
-deadline or failed before its first token) or `migration` (a replica died; the request goes
-on elsewhere, excluding it). An attempt that starts after tokens were streamed is a
-continuation: the client's prompt plus every token already streamed is its prompt, and the
-output budget is what is left, so the client's stream goes on as one reply.
+deadline or failed before its first token), `migration` (a replica died; the request goes
+on elsewhere, excluding it) or `drain` (a draining replica handed it over when its grace ran
+out; it goes on elsewhere the same way, but nothing failed). An attempt that starts after
+tokens were streamed is a continuation: the client's prompt plus every token already
+streamed is its prompt, and the output budget is what is left, so the client's stream goes
+on as one reply.
 
 What a continuation preserves:
 - Greedy (temperature 0): exact, token for token, except with frequency/presence penalties
@@ -24,7 +26,9 @@ from typing import Any, Literal
 
 from services.coordinator.backend import GenerationRequest
 
-Reason = Literal["first", "fallback", "migration"]
+Reason = Literal["first", "fallback", "migration", "drain"]
+# The reasons that continue the same model on another pair, from the tokens streamed so far.
+MOVES: frozenset[Reason] = frozenset({"migration", "drain"})
 
 
 def attempt_request_id(request_id: str, attempt: int) -> str:
@@ -71,6 +75,9 @@ class RequestProgress:
 
     @property
     def migrations(self) -> int:
+        """Moves after a replica failed: what `max_migrations` bounds (a hand-over by a
+        draining replica is no failure of the request, and a request that keeps killing
+        replicas is the one to stop)."""
         return sum(a.reason == "migration" for a in self.attempts)
 
     def begin(self, model: str, reason: Reason) -> tuple[Attempt, GenerationRequest]:
@@ -94,7 +101,7 @@ class RequestProgress:
         return attempt, sub
 
     def give_up_message(self, lost: Exception) -> str:
-        moved = sum(a.reason == "migration" and a.replica is not None for a in self.attempts)
+        moved = sum(a.reason in MOVES and a.replica is not None for a in self.attempts)
         return (
             f"request {self.request.request_id}: {lost}; after {len(self.streamed)} tokens it "
             f"was migrated {moved} times; giving up"

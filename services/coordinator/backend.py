@@ -68,6 +68,17 @@ class ReplicaLost(Exception):
         self.reason = reason
 
 
+class ReplicaHandedOver(ReplicaLost):
+    """A draining replica ended the stream unfinished on purpose (its grace ran out) after
+    freeing the request: it goes on elsewhere like after a loss, but nothing failed (the
+    replica stays in the pool, finishing its drain, and the move is no failure to count)."""
+
+    def __init__(self, worker_id: str, reason: str):
+        Exception.__init__(self, f"replica {worker_id} handed the request over: {reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+
+
 class BackendRequestError(Exception):
     """The backend refused the request for a reason the client caused (e.g. the output does
     not fit the replica's KV cache). `param` names the offending engine parameter."""

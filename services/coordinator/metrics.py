@@ -126,12 +126,13 @@ def outcome_of(status: int | str) -> str:
 
 
 def _attempt_counts(value: Any) -> tuple[int, int]:
-    """(fallbacks, migrations) among a response's `attempts`."""
+    """(fallbacks, migrations) among a response's `attempts`; a drain's hand-over is a
+    migration too."""
     attempts = _as_list(value)
     if not attempts:
         return 0, 0
     reasons = [a.get("reason") if isinstance(a, dict) else None for a in attempts]
-    migrations = reasons.count("migration")
+    migrations = reasons.count("migration") + reasons.count("drain")
     return len(attempts) - 1 - migrations, migrations
 
 

@@ -24,6 +24,7 @@ from services.coordinator.backend import (
     BackendError,
     BackendRequestError,
     GenerationChunk,
+    ReplicaHandedOver,
     ReplicaLost,
 )
 from services.coordinator.prefill_call import LOST_CODES, PrefillCall, StubSource
@@ -149,6 +150,9 @@ class PairAttempt:
         call, span = decoding.call, decoding.span
         try:
             async for msg in call:
+                if msg.handed_over:  # draining: every token it made came before this
+                    self.registry.mark_draining(decode.worker_id)
+                    raise ReplicaHandedOver(decode.worker_id, msg.handed_over)
                 span.record_chunk(len(msg.token_ids), msg.finished, msg.num_output_tokens)
                 chunk = decode_chunk(msg, decode.worker_id)
                 if not msg.local_prefill:  # the decode replica did not compute the prompt

@@ -120,12 +120,19 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         if info is None or not info.alive:
             return False
-        if draining and not info.draining:
-            log.info("replica %s is draining: no new requests go there", worker_id)
+        if draining:
+            self.mark_draining(worker_id)
         info.draining = draining
         info.load = load
         info.last_seen = time.monotonic()
         return True
+
+    def mark_draining(self, worker_id: str) -> None:
+        """It said so (a heartbeat, or a stream it handed over): nothing new goes there."""
+        info = self.workers.get(worker_id)
+        if info is not None and not info.draining:
+            info.draining = True
+            log.info("replica %s is draining: no new requests go there", worker_id)
 
     def mark_dead(self, worker_id: str, reason: str = "") -> None:
         info = self.workers.get(worker_id)

@@ -8,7 +8,9 @@ finishes it.
 - **Migration** when a replica dies (`ReplicaLost`), before or after the first token: the
   next attempt goes to the same model on another pair, the dead replica excluded, and
   continues the client's stream from the tokens it already has (see `attempts`), at most
-  `max_migrations` times. A failed KV transfer needs no new attempt: the decode replica
+  `max_migrations` times. A draining replica whose grace ran out hands its streams over
+  (`ReplicaHandedOver`): the same move, recorded as `drain`, and not counted against
+  `max_migrations` (nothing failed). A failed KV transfer needs no new attempt: the decode replica
   prefills locally and the attempt goes on; its outcome is reported in `metadata.transfer`.
 
 The client sees one stream: text comes from one detokenizer and one stop-string tracker
@@ -25,13 +27,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.coordinator.attempts import Attempt, RequestProgress
+from services.coordinator.attempts import MOVES, Attempt, RequestProgress
 from services.coordinator.backend import (
     BackendError,
     BackendUnavailable,
     GenerationBackend,
     GenerationChunk,
     GenerationRequest,
+    ReplicaHandedOver,
     ReplicaLost,
 )
 from services.coordinator.text_stream import add_text
@@ -86,7 +89,7 @@ class RetryLoop:
             model, last_model = models[index], index == len(models) - 1
             attempt, sub = progress.begin(model, reason)
             started = time.monotonic()
-            if reason != "migration":  # a migration before the first token keeps the clock
+            if reason not in MOVES:  # a move before the first token keeps the clock
                 timeout = None if last_model else policy.ttft_timeout_ms
                 deadline = None if timeout is None else started + timeout / 1000
             try:
@@ -116,31 +119,34 @@ class RetryLoop:
                 index, reason = index + 1, "fallback"
                 continue
             except ReplicaLost as exc:
-                attempt.success, attempt.error = False, str(exc)
+                handed_over = isinstance(exc, ReplicaHandedOver)
+                if not handed_over:  # a hand-over ends the attempt's part; nothing failed
+                    attempt.success, attempt.error = False, str(exc)
                 progress.exclude.add(exc.worker_id)
                 lost = exc
                 if progress.remaining_tokens <= 0:  # lost right after the last token
                     yield stream.finish("length")
                     return
-                if progress.migrations < policy.max_migrations:
+                if handed_over or progress.migrations < policy.max_migrations:
+                    reason = "drain" if handed_over else "migration"
                     log.warning(
-                        "request %s: %s after %d tokens; migrating",
+                        "request %s: %s after %d tokens; moving it (%s)",
                         req.request_id,
                         exc,
                         len(progress.streamed),
+                        reason,
                     )
                     stream.reasoning.append(
-                        f"migration: {exc} after {len(progress.streamed)} tokens; "
+                        f"{reason}: {exc} after {len(progress.streamed)} tokens; "
                         f"{model} goes on on another pair"
                     )
-                    reason = "migration"
                     continue
                 failure: Exception = BackendError(progress.give_up_message(exc))
                 failure.__cause__ = exc
             except (BackendError, BackendUnavailable) as exc:
                 attempt.success, attempt.error = False, f"{type(exc).__name__}: {exc}"
                 failure = exc
-                if reason == "migration" and lost is not None:
+                if reason in MOVES and lost is not None:
                     failure = BackendError(
                         f"{progress.give_up_message(lost)} (no healthy replica pair left for "
                         f"'{model}': {exc})"

@@ -2,11 +2,21 @@
 batch, stream tokens as they come. The Decode call may come while the KV is still on its way:
 it waits for the receive (bounded by the transfer deadline). Without pushed KV (transfer
 failed, timed out, aborted, or told to) the replica prefills the prompt itself. A cancelled
-stream frees its blocks at once."""
+stream frees its blocks at once.
+
+A draining replica whose grace ran out hands its open streams over (`hand_over`): each ends
+with a `handed_over` message after the last token it sent, its KV freed here, and the
+coordinator continues it on another replica from exactly those tokens (its migration path).
+The replica says so instead of just being cut because only it knows where each stream
+stopped, and an OK end with a reason tells the coordinator this is a planned move, not a
+crash: the request goes on without counting against its failure budget, and the replica is
+not marked dead while it still finishes other work (a coordinator noticing the drain itself
+would have to guess the grace's end and race the tokens already in flight)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -29,11 +39,38 @@ from shared.wire.convert import logprob_to_proto, params_from_proto, prompt_logp
 log = logging.getLogger(__name__)
 
 
+class _HandedOver(Exception):
+    """Raised out of a request's engine stream when the replica hands it over."""
+
+
 class DecodeService:
     def __init__(self, runtime: WorkerRuntime):
         self.runtime = runtime
+        self._open: set[str] = set()  # request ids of the Decode calls open now
+        self.handing_over: str = ""  # why, once the replica hands every stream over
+
+    def hand_over(self, reason: str) -> int:
+        """End every open Decode call (and every later one) with a hand-over message; their
+        requests leave the engine before its next step. Returns how many were open."""
+        self.handing_over = reason
+        for rid in self._open:
+            self.runtime.arrivals.cancel(rid)  # a call waiting for its KV stops waiting
+            self.runtime.async_engine.end_stream(rid, _HandedOver(reason))
+        return len(self._open)
 
     async def decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        rid = request.spec.request_id
+        self._open.add(rid)
+        try:
+            # aclosing: a call cancelled while a message is on its way closes the stream now
+            # (aborting its request), not when it is collected.
+            async with contextlib.aclosing(self._decode(request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._open.discard(rid)
+
+    async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         spec = request.spec
         rid = spec.request_id
         try:
@@ -54,6 +91,11 @@ class DecodeService:
                 await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
         else:  # this replica computes the first token
             await self.runtime.delay_first_token()
+        if self.handing_over:  # it came, or its KV did, after the grace ran out
+            if table is not None:
+                self.runtime.free_blocks(table)
+            yield pb.DecodeChunk(handed_over=self.handing_over)
+            return
         kv_wait_ms = (time.perf_counter() - waited) * 1e3 if request.kv_transferred else 0.0
         local = table is None
         if table is not None:
@@ -89,23 +131,32 @@ class DecodeService:
         extra = 1 if request.kv_transferred and local else 0
         start = time.perf_counter()
         first = True
+        outputs = self.runtime.async_engine.generate(add, params.structured)
         try:
-            async for out in self.runtime.async_engine.generate(add, params.structured):
-                now_ms = (time.perf_counter() - start) * 1e3
-                yield pb.DecodeChunk(
-                    kv_wait_ms=kv_wait_ms if first else 0.0,
-                    token_ids=out.new_token_ids,
-                    logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
-                    token_time_ms=[now_ms] * len(out.new_token_ids),
-                    finished=out.finished,
-                    finish_reason=out.finish_reason or "",
-                    num_prompt_tokens=len(prompt),
-                    num_cached_tokens=out.num_cached_tokens,
-                    num_output_tokens=out.num_output_tokens + extra,
-                    local_prefill=local,
-                    prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
-                )
-                first = False
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    now_ms = (time.perf_counter() - start) * 1e3
+                    yield pb.DecodeChunk(
+                        kv_wait_ms=kv_wait_ms if first else 0.0,
+                        token_ids=out.new_token_ids,
+                        logprobs=[logprob_to_proto(lp) for lp in out.logprobs],
+                        token_time_ms=[now_ms] * len(out.new_token_ids),
+                        finished=out.finished,
+                        finish_reason=out.finish_reason or "",
+                        num_prompt_tokens=len(prompt),
+                        num_cached_tokens=out.num_cached_tokens,
+                        num_output_tokens=out.num_output_tokens + extra,
+                        local_prefill=local,
+                        prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs),
+                    )
+                    first = False
+                    # A request added after `hand_over` looked for it: its first output ends it.
+                    if self.handing_over and not out.finished:
+                        await outputs.aclose()  # aborts it
+                        yield pb.DecodeChunk(handed_over=self.handing_over)
+                        return
+        except _HandedOver as exc:
+            yield pb.DecodeChunk(handed_over=str(exc))
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.param}: {exc}")
         except EngineStepError as exc:

@@ -99,6 +99,11 @@ class ReplicaProfile:
         """One prompt alone on a replica: `tokens` long, the first `cached` already in cache."""
         return prefill_alone_ms(self.prefill, tokens, cached, self.chunk_tokens)
 
+    def lone_ttft_ms(self, tokens: int, cached: int = 0) -> float:
+        """First token of a prompt alone on a replica: its prefill and the serving path. The
+        KV push is not in it: the first token is streamed before the KV moves."""
+        return self.prefill_ms(tokens, cached) + self.serving_overhead_ms
+
     def to_dict(self) -> dict:
         return asdict(self)
 

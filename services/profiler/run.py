@@ -47,8 +47,10 @@ QUICK = Grid(
     decode_batches=(1, 8, 32),
     decode_contexts=(256, 1024),
     decode_steps=3,
-    transfer_mib=(1, 16),
-    transfer_repeats=2,
+    # 64 MiB, not 16: a 16 MiB shm push takes about as long as the control plane's noise on
+    # a busy machine, and a fit through two such points can come out with no bandwidth.
+    transfer_mib=(1, 64),
+    transfer_repeats=3,
 )
 
 
@@ -83,17 +85,19 @@ def run_profile(
     load_before = os.getloadavg()
     torch.set_num_threads(threads)
     source = model_path or default_model_path()
+    # The KV element type a replica serves with (`auto`: fp16 where this CPU converts it).
+    kv_dtype, _ = resolve_kv_dtype(kv_cache_dtype)
     if weights == "auto":
-        # What a replica serves: the formats measured fastest on this machine for each path.
-        model, _ = load_serving_model(source, "auto", threads=threads)
+        # What a replica serves: the formats measured fastest on this machine for each path
+        # over the pool it serves from (the choice differs with the KV type: a profile timed
+        # on the fp32 pool's choice once measured bf16 prompts the replicas never ran).
+        model, _ = load_serving_model(source, "auto", threads=threads, kv_dtype=kv_dtype)
         timed = f"auto: prefill={model.weights} decode={model.decode_weights}"
     else:
         model = LlamaModel(read_checkpoint(source), weights=weights)  # type: ignore[arg-type]
         timed = weights
     shape = ModelShape.from_config(model.config, Path(source).stem)
     progress(f"model {source} loaded ({timed}, {threads} threads)")
-    # The KV element type a replica serves with (`auto`: fp16 where this CPU converts it).
-    kv_dtype, _ = resolve_kv_dtype(kv_cache_dtype)
     kv_name = str(kv_dtype).removeprefix("torch.")
     layout = model.kv_layout(16, kv_dtype)
     kv_bytes_per_token = layout.block_bytes // layout.block_size

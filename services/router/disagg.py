@@ -53,18 +53,25 @@ def local_prefill(
     cached = cached_tokens(hit, block_size, prompt_tokens).total
     if cached == 0:
         return LocalPrefill(None, f"{target.replica_id} ({why}) holds none of the prompt")
-    tail = prompt_tokens - cached
     held = f"{target.replica_id} ({why}) holds {cached}/{prompt_tokens} tokens"
-    if cached < cfg.local_prefill_min_cached * prompt_tokens:
-        return LocalPrefill(
-            None,
-            f"{held}, under {cfg.local_prefill_min_cached:.0%} of the prompt: disaggregated",
-        )
-    if tail > cfg.local_prefill_max_tokens:
-        return LocalPrefill(
-            None, f"{held}; tail {tail} > {cfg.local_prefill_max_tokens}: disaggregated"
-        )
+    refusal = disaggregate_because(cached, prompt_tokens, cfg)
+    if refusal is not None:
+        return LocalPrefill(None, f"{held}{refusal}: disaggregated")
+    tail = prompt_tokens - cached
     return LocalPrefill(
         target,
         f"local prefill: {held}; tail {tail} ≤ {cfg.local_prefill_max_tokens}, no transfer",
     )
+
+
+def disaggregate_because(cached: int, prompt_tokens: int, cfg: RouterConfig) -> str | None:
+    """Why a decode replica holding `cached` of the prompt should not prefill the rest
+    itself, or None when it should. The rule the simulator applies too."""
+    if cfg.local_prefill_max_tokens <= 0 or cached <= 0:
+        return " (conditional disaggregation off, or nothing held)"
+    if cached < cfg.local_prefill_min_cached * prompt_tokens:
+        return f", under {cfg.local_prefill_min_cached:.0%} of the prompt"
+    tail = prompt_tokens - cached
+    if tail > cfg.local_prefill_max_tokens:
+        return f"; tail {tail} > {cfg.local_prefill_max_tokens}"
+    return None

@@ -51,12 +51,7 @@ BENCH_TRACES = (
 
 
 def bench_slo(trace: Trace, profile: ReplicaProfile) -> SLO:
-    unloaded = np.array(
-        [
-            profile.prefill_ms(int(n)) + profile.transfer.ms(int(n) * profile.kv_bytes_per_token)
-            for n in trace.input_tokens
-        ]
-    )
+    unloaded = np.array([profile.lone_ttft_ms(int(n)) for n in trace.input_tokens])
     context = float(np.median(trace.input_tokens + trace.output_tokens // 2))
     lone_step = profile.decode.step(1, context)
     return SLO(

@@ -118,17 +118,14 @@ def probe(base_url: str, model: str, vocab_size: int, seed: int) -> list[Probe]:
     return asyncio.run(Prober(base_url, model, vocab_size, seed).run())
 
 
-def _push_ms(profile: ReplicaProfile, tokens: int) -> float:
-    return profile.transfer.ms(tokens * profile.kv_bytes_per_token)
-
-
 def anchor(profile: ReplicaProfile, probes: list[Probe]) -> Anchoring:
-    """Fit live TTFT = a * prefill + push + b and ITL = c * step on the undisturbed probes;
-    the busy probes' prefill time over `a * prefill` is what a busy neighbour costs."""
+    """Fit live TTFT = a * prefill + b and ITL = c * step on the undisturbed probes (the first
+    token is streamed before the KV push, so no transfer is in it); the busy probes' prefill
+    time over `a * prefill` is what a busy neighbour costs."""
     alone = [p for p in probes if not p.neighbour_busy]
     busy = [p for p in probes if p.neighbour_busy]
     compute = np.array([profile.prefill_ms(p.tokens) for p in alone])
-    rest = np.array([p.ttft_ms - _push_ms(profile, p.tokens) for p in alone])
+    rest = np.array([p.ttft_ms for p in alone])
     a, b = nnls(np.stack([compute, np.ones_like(compute)], 1), rest)
     if a <= 0:  # probes too noisy to show any growth with length: keep the profile's speed
         a, b = 1.0, max(0.0, float(np.median(rest - compute)))
@@ -137,10 +134,7 @@ def anchor(profile: ReplicaProfile, probes: list[Probe]) -> Anchoring:
     anchored = profile.rescaled(float(a), c, float(b))
     slowdown = 1.0
     if busy:
-        ratios = [
-            (p.ttft_ms - _push_ms(profile, p.tokens) - b) / anchored.prefill_ms(p.tokens)
-            for p in busy
-        ]
+        ratios = [(p.ttft_ms - b) / anchored.prefill_ms(p.tokens) for p in busy]
         slowdown = max(1.0, float(np.median(ratios)))
     neighbour = [p.neighbour_slowdown for p in busy if p.neighbour_slowdown is not None]
     decode_slowdown = max(1.0, float(np.median(neighbour))) if neighbour else 1.0

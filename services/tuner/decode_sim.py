@@ -13,6 +13,11 @@ and when the batch's growth would overflow the pool the least important running 
 mode: it waits to rejoin, and rejoining recomputes its prompt and the tokens it had made
 (`recompute_ms`), a stall every sequence in the batch waits through. Between two such
 events the run is still closed form: the pool fills after a computable number of steps.
+
+The replica also keeps the prompt blocks of what it served (`cache`), which is what the
+router's conditional disaggregation looks at: a request whose prompt this replica mostly
+holds skips the prefill pool and prefills its short tail here (`local_join`), a stall the
+batch waits through like a recompute, its first token out at the stall's end.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 from collections.abc import Callable
 
 from services.profiler.costmodel import DecodeModel
+from services.tuner.prefix_cache import PrefixCache
 from services.tuner.requests import RequestTable
 from services.tuner.stepmath import run_ms, steps_to_reach
 
@@ -73,6 +79,9 @@ class DecodeReplica:
         "_made",
         "_resumed_at",
         "_stall",
+        "cache",
+        "_local",
+        "local_prefills",
     )
 
     def __init__(
@@ -83,6 +92,7 @@ class DecodeReplica:
         table: RequestTable,
         kv_capacity: int | None = None,
         recompute_ms: Callable[[int], float] | None = None,
+        cache: PrefixCache | None = None,
     ):
         self.index = index
         self.model = model
@@ -94,7 +104,10 @@ class DecodeReplica:
         self._leave_at: dict[int, int] = {}  # rid -> step_no after which it ends (running)
         self._made: dict[int, int] = {}  # preempted rid -> decode tokens it had made
         self._resumed_at: dict[int, float] = {}  # rejoined rid -> when its last token came out
-        self._stall = 0.0  # recompute time the next step waits for
+        self._stall = 0.0  # recompute and local prefill time the next step waits for
+        self.cache = cache  # prompt blocks of what it served; None: no local prefills
+        self._local: dict[int, float] = {}  # rid -> its prefill here, ms, until it joins
+        self.local_prefills = 0
         self.itl = ItlLog()
         self.clock = 0.0  # the last step boundary reached
         self.step_no = 0  # steps taken so far
@@ -119,6 +132,13 @@ class DecodeReplica:
         if at < self._next_event:
             self._next_event = at
 
+    def local_join(self, rid: int, at: float, prefill_ms: float) -> None:
+        """A request routed here to prefill its uncached tail itself (no prefill replica, no
+        transfer): it joins at `at` and its prefill takes `prefill_ms` of this replica."""
+        self._local[rid] = prefill_ms
+        self.local_prefills += 1
+        self.push_join(rid, at)
+
     def advance_to(self, t: float) -> None:
         """Every join and leave up to `t`; a run of steps is cut at the boundary before `t`."""
         if t < self._next_event:
@@ -126,6 +146,10 @@ class DecodeReplica:
         model = self.model
         while True:
             if self.batch == 0:
+                if self._stall:  # a one-token reply's local prefill: busy, nobody to step
+                    self.clock += self._stall
+                    self.busy_ms += self._stall
+                    self._stall = 0.0
                 if self.ready:
                     self._admit()
                     continue
@@ -240,7 +264,15 @@ class DecodeReplica:
             if rid in self._made:  # preempted: its KV is recomputed before the next step
                 self._stall += self.recompute_ms(need)
                 del self._made[rid]
-            remaining = table.output[rid] - 1 - made  # the prefill replica made the first
+            local = self._local.pop(rid, None)
+            if local is not None:  # its prompt's tail prefills here; that makes the first
+                self._stall += local
+                table.ttft[rid] = self.clock + self._stall
+                if table.output[rid] <= 1:  # ... and only token
+                    table.finish[rid] = table.ttft[rid]
+                    self.assigned -= 1
+                    continue
+            remaining = table.output[rid] - 1 - made  # the prefill (here or there) made one
             leave = self.step_no + remaining
             heapq.heappush(self.leaves, (leave, rid))
             self._leave_at[rid] = leave

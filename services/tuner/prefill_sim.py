@@ -4,10 +4,12 @@ Each step spends a token budget on the sequences already started (in priority or
 admits waiting ones in (priority, arrival) order, as `shared.engine.scheduler` does; its time
 comes from the profile's prefill model. While one long prompt has the budget to itself for
 many steps nothing can change them, so those steps are taken in one jump (closed form).
-A finished prompt's KV is pushed to its decode replica; its first token is out once the
-push completes (what the coordinator streams as the first token). A replica's pushes share
-its link: bytes go out one push after another at the link's bandwidth (what concurrent
-pushes sharing it fairly add up to for the last of them), each push's fixed latency beside.
+A finished prompt's first token is streamed at once (the prefill service yields it the
+moment it is sampled, before the KV moves), so TTFT is the prefill's end plus the serving
+path; the KV is then pushed to its decode replica, which can only step the sequence once the
+push has landed. A replica's pushes share its link: bytes go out one push after another at
+the link's bandwidth (what concurrent pushes sharing it fairly add up to for the last of
+them), each push's fixed latency beside.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from services.tuner.prefix_cache import PrefixCache
 from services.tuner.requests import RequestTable
 from services.tuner.stepmath import run_ms, steps_within
 
+# (request, first token out, its KV in place on the decode replica), in ms.
+PrefilledFn = Callable[[int, float, float], None]
+
 
 class PrefillReplica:
     __slots__ = (
@@ -31,7 +36,7 @@ class PrefillReplica:
         "overhead_ms",
         "kv_bytes_per_token",
         "table",
-        "on_first_token",
+        "on_prefilled",
         "cache",
         "clock",
         "running",
@@ -53,7 +58,7 @@ class PrefillReplica:
         kv_bytes_per_token: int,
         table: RequestTable,
         cache: PrefixCache,
-        on_first_token: Callable[[int, float], None],
+        on_prefilled: PrefilledFn,
         overhead_ms: float = 0.0,
     ):
         self.index = index
@@ -64,13 +69,13 @@ class PrefillReplica:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.table = table
         self.cache = cache
-        self.on_first_token = on_first_token
+        self.on_prefilled = on_prefilled
         self.clock = 0.0  # end of the last step taken: when the engine is next free
         self.running: list[list] = []  # [priority, arrival, rid, pending, offset], sorted
         self.waiting: list[tuple[int, float, int]] = []  # heap of (priority, arrival, rid)
         self.queued_tokens = 0  # prompt tokens not yet computed, running and waiting
         self.in_flight = 0  # routed here and first token not out yet (as the coordinator counts)
-        self._pushing: list[float] = []  # heap: when each finished prompt's KV push completes
+        self._pushing: list[float] = []  # heap: when each finished prompt's first token is out
         self._link_free = 0.0  # when the bytes of every push so far have left
         self.busy_ms = 0.0
         self.served = 0
@@ -164,9 +169,13 @@ class PrefillReplica:
         table = self.table
         end = self.clock
         table.prefill_end[rid] = end
-        transfer = self.transfer
-        start = max(end, self._link_free)
-        self._link_free = start + table.input[rid] * self.kv_bytes_per_token / (transfer.gb_s * 1e6)
-        first_token = self._link_free + transfer.latency_ms + self.overhead_ms
+        first_token = end + self.overhead_ms
         heapq.heappush(self._pushing, first_token)
-        self.on_first_token(rid, first_token)
+        kv_ready = first_token
+        if table.output[rid] > 1:  # a one-token reply is done: its KV goes nowhere
+            transfer = self.transfer
+            start = max(end, self._link_free)
+            nbytes = table.input[rid] * self.kv_bytes_per_token
+            self._link_free = start + nbytes / (transfer.gb_s * 1e6)
+            kv_ready = self._link_free + transfer.latency_ms
+        self.on_prefilled(rid, first_token, kv_ready)

@@ -21,11 +21,13 @@ class RequestTable:
         self.output: list[int] = trace.output_tokens.tolist()
         self.priority: list[int] = priorities.tolist()
         self.hash_ids = trace.hash_ids
+        self.block_tokens = trace.block_tokens
         # Filled in as the replay goes.
         self.cached: list[int] = [0] * n  # prefill skipped (a host hit only in part)
         self.hit: list[int] = [0] * n  # prompt tokens found in a cache, any tier
         self.prefill_replica: list[int] = [-1] * n
         self.decode_replica: list[int] = [-1] * n
         self.prefill_end: list[float] = [NOT_YET] * n
-        self.ttft: list[float] = [NOT_YET] * n  # first token out (prefill + KV transfer)
+        # First token out: the prefill and the serving path (the KV moves after it).
+        self.ttft: list[float] = [NOT_YET] * n
         self.finish: list[float] = [NOT_YET] * n

@@ -36,7 +36,7 @@ class SimResult:
     cached_tokens: np.ndarray
     output_tokens: np.ndarray
     priority: np.ndarray
-    prefill_replica: np.ndarray  # which replica prefilled each request
+    prefill_replica: np.ndarray  # which replica prefilled each request (-1: its decode replica)
     decode_replica: np.ndarray
     itl_ms: np.ndarray  # inter-token gaps ...
     itl_weight: np.ndarray  # ... each standing for this many tokens
@@ -47,6 +47,7 @@ class SimResult:
     decode_steps: list[int]
     wall_s: float
     decode_preemptions: int = 0  # sequences whose KV a full decode replica freed
+    local_prefills: int = 0  # requests a decode replica prefilled itself (no transfer)
 
     @property
     def requests(self) -> int:
@@ -98,6 +99,7 @@ class SimResult:
             "prefill_imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
             "mean_decode_batch": sum(self.decode_tokens) / max(1, sum(self.decode_steps)),
             "decode_preemptions": self.decode_preemptions,
+            "local_prefills": self.local_prefills,
             "sim_wall_s": self.wall_s,
             "requests_per_s_simulated": self.requests_per_s_simulated,
         }

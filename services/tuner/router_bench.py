@@ -91,9 +91,7 @@ def policy_figures(result: SimResult) -> dict:
 def unloaded_p99_ms(trace: Trace, profile: ReplicaProfile, cached: np.ndarray) -> float:
     """TTFT p99 with each prompt alone on its replica (no queueing): the floor."""
     floor = [
-        profile.prefill_ms(int(n), int(c))
-        + profile.transfer.ms(int(n) * profile.kv_bytes_per_token)
-        + profile.serving_overhead_ms
+        profile.lone_ttft_ms(int(n), int(c))
         for n, c in zip(trace.input_tokens, cached, strict=True)
     ]
     return float(np.percentile(floor, 99))

@@ -4,9 +4,12 @@ chunked prefill, KV transfer, continuous-batching decode, tiers.
 Arrivals drive the loop. Before each one is routed, every replica is brought up to its
 arrival time (lazily: a replica with nothing due returns at once), so the router sees the
 loads the coordinator would; the request's prefill and decode replicas are both chosen then,
-as the coordinator does. Prefill replicas hand finished prompts to decode replicas, never
-the other way, so bringing prefills up to a time before decodes keeps causality. After the
-last arrival everything is drained.
+as the coordinator does: first the conditional-disaggregation check (the decode replica
+holding the longest prefix of the prompt prefills a short uncached tail itself, by the live
+router's rule), else a prefill replica by the policy and the least-loaded decode replica.
+Prefill replicas hand finished prompts to decode replicas, never the other way, so bringing
+prefills up to a time before decodes keeps causality. After the last arrival everything is
+drained.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from services.profiler.costmodel import ReplicaProfile
+from services.router.disagg import disaggregate_because
 from services.router.index import PrefixHit
 from services.router.score import cached_tokens
 from services.tuner.decode_sim import DecodeReplica
@@ -49,6 +53,45 @@ def _host_blocks(fleet: FleetConfig, trace: Trace) -> int:
     )
 
 
+def _decode_cache_blocks(fleet: FleetConfig, profile: ReplicaProfile, trace: Trace) -> int | None:
+    """A decode replica's pool keeps finished sequences' blocks cached, as much as it holds."""
+    if fleet.unbounded_cache or fleet.unbounded_decode_kv:
+        return None
+    return int(profile.kv_capacity_tokens // max(trace.block_tokens, 1e-9))
+
+
+def _prefilled_locally(
+    rid: int,
+    now: float,
+    decodes: list[DecodeReplica],
+    table: RequestTable,
+    cfg: RouterConfig,
+    profile: ReplicaProfile,
+) -> bool:
+    """Conditional disaggregation: the decode replica holding the longest prefix of the
+    prompt (the lowest index on a tie, as the live router's replica ids sort) prefills the
+    tail itself when the live router's rule says so. Routes the request there if it does."""
+    ids = table.hash_ids[rid]
+    if not ids:
+        return False
+    best, held = 0, -1
+    for d, replica in enumerate(decodes):
+        n = replica.cache.match(ids)
+        if n > held:
+            best, held = d, n
+    prompt = table.input[rid]
+    cached = cached_tokens(PrefixHit(device=held), table.block_tokens, prompt).total
+    if disaggregate_because(cached, prompt, cfg) is not None:
+        return False
+    target = decodes[best]
+    table.hit[rid] = table.cached[rid] = cached
+    table.decode_replica[rid] = best
+    target.assigned += 1
+    target.cache.insert(ids)
+    target.local_join(rid, now, profile.prefill_ms(prompt, cached))
+    return True
+
+
 def simulate(
     trace: Trace,
     profile: ReplicaProfile,
@@ -66,6 +109,10 @@ def simulate(
     table = RequestTable(trace, priorities)
     chunk = fleet.chunk_tokens or profile.chunk_tokens
     decode_kv = None if fleet.unbounded_decode_kv else profile.kv_capacity_tokens
+    router_cfg = router_config or RouterConfig()
+    blocks = _cache_blocks(fleet, profile, trace)
+    # What a decode replica holds is only looked at for conditional disaggregation.
+    local_prefill = trace.hash_ids is not None and router_cfg.local_prefill_max_tokens > 0
     decodes = [
         DecodeReplica(
             i,
@@ -76,23 +123,24 @@ def simulate(
             # A preempted sequence's KV is recomputed as a prompt of its context on this
             # hardware (the engine's `recompute` preemption mode).
             profile.prefill_ms,
+            PrefixCache(_decode_cache_blocks(fleet, profile, trace)) if local_prefill else None,
         )
         for i in range(fleet.decode_replicas)
     ]
     handoff = fleet.handoff_ms
 
-    def on_first_token(rid: int, at: float) -> None:
-        table.ttft[rid] = at
+    def on_prefilled(rid: int, first_token: float, kv_ready: float) -> None:
+        table.ttft[rid] = first_token
         decode = decodes[table.decode_replica[rid]]
         if table.output[rid] <= 1:  # the prefill replica's token was the whole reply
-            table.finish[rid] = at
+            table.finish[rid] = first_token
             decode.assigned -= 1
         else:
-            decode.push_join(rid, at + handoff)
+            # The coordinator opens the decode stream on the first token; the decode replica
+            # steps the sequence once its KV has landed too.
+            decode.push_join(rid, max(first_token + handoff, kv_ready))
 
-    blocks = _cache_blocks(fleet, profile, trace)
     host_blocks = _host_blocks(fleet, trace)
-    router_cfg = router_config or RouterConfig()
     prefills = [
         PrefillReplica(
             i,
@@ -102,7 +150,7 @@ def simulate(
             profile.kv_bytes_per_token,
             table,
             PrefixCache(blocks, host_blocks),
-            on_first_token,
+            on_prefilled,
             profile.serving_overhead_ms,
         )
         for i in range(fleet.prefill_replicas)
@@ -122,6 +170,8 @@ def simulate(
         for d in decodes:
             d.advance_to(now)
         prompt = inputs[rid]
+        if local_prefill and _prefilled_locally(rid, now, decodes, table, router_cfg, profile):
+            continue
         ids = hash_ids[rid] if use_cache else ()
         if ids and router.uses_prefix:
             hits = [p.cache.match_kv_tiers(ids) for p in prefills]
@@ -140,6 +190,8 @@ def simulate(
         d = choose_decode(decodes)
         table.decode_replica[rid] = d
         decodes[d].assigned += 1
+        if local_prefill and hash_ids[rid]:
+            decodes[d].cache.insert(hash_ids[rid])  # its KV is pushed there and stays
         chosen.add(rid, now)
         if progress is not None and rid % PROGRESS_EVERY == PROGRESS_EVERY - 1:
             progress(rid + 1, n)
@@ -188,4 +240,5 @@ def _result(
         decode_steps=[d.step_no for d in decodes],
         wall_s=wall_s,
         decode_preemptions=sum(d.preemptions for d in decodes),
+        local_prefills=sum(d.local_prefills for d in decodes),
     )

@@ -10,7 +10,12 @@ error with the profile as measured is reported beside it.
 The slice keeps the trace's order, arrival pattern and length mix, cut down to what this
 hardware serves in about a minute: lengths scaled and capped (prompts <= `max_prompt`,
 replies <= `max_output` tokens) and arrivals stretched so the prefill replica runs at about
-`utilization` of its capacity by the profile. Prompts are token ids sent to
+`utilization` of its capacity by the profile. Requests the trace gives one timestamp (the
+Mooncake trace counts time in 3 s ticks, ten requests to a tick) are then spread
+`MIN_GAP_MS` apart in trace order: sent at one instant, they reached the engine in whatever
+order their connections raced to (a different one each run), while the engine and the
+simulator both serve first come, first served; a burst's TTFT p50 swings by half with that
+order (see `spread_ties`). Prompts are token ids sent to
 /v1/completions, so their lengths are exact, and two prompts share tokens exactly where their
 trace block ids agree, so the live prefix cache sees what the simulated one sees.
 """
@@ -39,6 +44,11 @@ from services.tuner.validate_client import stream_completion
 from shared.config.router import RouterConfig
 
 T = TypeVar("T")
+
+# Two requests of a slice arrive at least this far apart, so the live stack receives them in
+# trace order: well above the coordinator's per-request handling (a few ms) and the client's
+# scheduling jitter, small beside the seconds a burst queues for.
+MIN_GAP_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -75,13 +85,24 @@ def make_slice(
     sliced = Trace(
         name=f"{trace.name}[{start}:{start + count}]",
         format=trace.format,
-        arrival_ms=arrivals,
+        arrival_ms=spread_ties(arrivals, MIN_GAP_MS),
         input_tokens=inputs.astype(np.int64),
         output_tokens=outputs.astype(np.int64),
         hash_ids=window.hash_ids,
         block_tokens=window.block_tokens,
     )
     return LiveSlice(name, sliced, _prompts(sliced, vocab_size, seed))
+
+
+def spread_ties(arrival_ms: np.ndarray, gap_ms: float) -> np.ndarray:
+    """Arrivals at least `gap_ms` apart, in the order given: a request closer than that to the
+    one before it (the same timestamp, typically) comes `gap_ms` after it; no arrival moves
+    earlier. The simulator's order for equal timestamps is the trace's; a replay that sends
+    them at one instant has no order at all."""
+    out = np.asarray(arrival_ms, dtype=np.float64).copy()
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1] + gap_ms)
+    return out
 
 
 def _prompts(trace: Trace, vocab_size: int, seed: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 
 import grpc
@@ -32,8 +32,10 @@ from shared.telemetry.worker_telemetry import WorkerTelemetry
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 0.0005
 
-# On SIGTERM running streams get `worker_drain_grace_s` to finish; whatever is still open
-# after the drain (a stream's last message on its way out) gets DRAIN_TAIL_S.
+# On SIGTERM running streams get `worker_drain_grace_s` to finish; then the Decode streams
+# still open are handed over (migrated by the coordinator), and whatever is still open (a
+# hand-over message, a Prefill call's last message on its way out) gets DRAIN_TAIL_S. The
+# chart's terminationGracePeriodSeconds leaves room for it (helm/splitserve/_config.tpl).
 DRAIN_TAIL_S = 2.0
 
 
@@ -166,7 +168,7 @@ async def serve_worker(
         # Heartbeats go on while draining: the coordinator keeps the replica (its streams
         # are still running) but routes nothing new to it.
         await health.draining()
-        await drain(servicer, registry, config.worker_drain_grace_s)
+        await drain(servicer, registry.announce_draining, config.worker_drain_grace_s)
     finally:
         for t in tasks:
             t.cancel()
@@ -180,21 +182,47 @@ async def serve_worker(
         await asyncio.to_thread(telemetry.close)
 
 
-async def drain(servicer: WorkerServicer, registry: Registrations, grace_s: float) -> None:
-    """Stop being routed to, then wait (at most `grace_s`) for the running streams to end.
+async def drain(
+    servicer: WorkerServicer,
+    announce: Callable[[], Awaitable[None]],
+    grace_s: float,
+    tail_s: float = DRAIN_TAIL_S,
+) -> None:
+    """Stop being routed to (`announce` tells every coordinator), wait at most `grace_s` for
+    the running streams to end, then hand the Decode streams still open over and wait at
+    most `tail_s` for their last messages to leave.
 
     The server keeps accepting calls meanwhile: a request routed here just before the
-    coordinator heard of the drain (its KV push, its Decode call) still completes.
+    coordinator heard of the drain (its KV push, its Decode call) is served, or handed over
+    once the grace is over.
     """
-    await registry.announce_draining()
+    await announce()
     deadline = time.monotonic() + grace_s
-    log.info("draining: %d streams running, up to %.0f s", servicer.active_streams, grace_s)
+    log.info("draining: %d streams running, up to %.1f s", servicer.active_streams, grace_s)
+    await _until_idle(servicer, deadline)
+    if not servicer.active_streams:
+        log.info("drained: every stream finished")
+        return
+    handed = 0
+    if servicer.decode_service is not None:
+        handed = servicer.decode_service.hand_over(
+            f"replica draining: its {grace_s:g} s grace ran out"
+        )
+    log.warning(
+        "drain grace over: %d streams running, %d Decode streams handed over",
+        servicer.active_streams,
+        handed,
+    )
+    await _until_idle(servicer, time.monotonic() + tail_s)
+    if servicer.active_streams:
+        log.warning("drain tail over: %d streams cut", servicer.active_streams)
+    else:
+        log.info("drained: every stream finished or was handed over")
+
+
+async def _until_idle(servicer: WorkerServicer, deadline: float) -> None:
     while servicer.active_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if servicer.active_streams:
-        log.warning("drain grace over: %d streams cut", servicer.active_streams)
-    else:
-        log.info("drained: every stream finished")
 
 
 def run_worker(

@@ -210,8 +210,9 @@ class DeploymentConfig(_Strict):
     worker_drain_grace_s: float = Field(
         30.0,
         gt=0,
-        description="on SIGTERM a worker's running streams get this long to finish (the "
-        "chart's terminationGracePeriodSeconds covers it and the preStop pause)",
+        description="on SIGTERM a worker's running streams get this long to finish; the "
+        "decode streams still running then are handed over to another decode replica (the "
+        "chart's terminationGracePeriodSeconds covers it, the preStop pause and the hand-over)",
     )
     telemetry: TelemetryConfig = TelemetryConfig()
     internal_auth: InternalAuthConfig = InternalAuthConfig()

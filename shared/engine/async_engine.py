@@ -136,6 +136,17 @@ class AsyncEngine:
 
         self._commands.put(run)
 
+    def end_stream(self, request_id: str, why: BaseException) -> None:
+        """Thread-safe: abort a streamed request before the next step and raise `why` to its
+        consumer once it has read every output delivered before (so it knows exactly which
+        tokens were produced). A request not streamed (finished, aborted) is left alone."""
+
+        def run() -> None:
+            if request_id in self._streams:
+                self._end(request_id, why)
+
+        self._commands.put(run)
+
     # -- engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -187,12 +198,15 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         for request_id in list(self._streams):
-            try:
-                self.engine.abort(request_id)
-            except Exception:  # the engine is already broken; the waiter still hears why
-                log.exception("abort of %s failed", request_id)
-            self._deliver(request_id, EngineStepError(reason))
-            self._streams.pop(request_id, None)
+            self._end(request_id, EngineStepError(reason))
+
+    def _end(self, request_id: str, why: BaseException) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:  # the engine is already broken; the waiter still hears why
+            log.exception("abort of %s failed", request_id)
+        self._deliver(request_id, why)
+        self._streams.pop(request_id, None)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

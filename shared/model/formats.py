@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.native.build import SOURCES as NATIVE_SOURCES
 from kernels.native.build import cache_dir as native_cache_dir
 from kernels.native.build import cpu_signature
+from kernels.native.build import source_digest as native_source_digest
 from shared.kvcache.pool import KVPool
 from shared.model.gguf_file import Checkpoint
 from shared.model.llama import NATIVE_FORMATS, LlamaModel, ModelFormat, NativeUnavailable
@@ -242,10 +242,13 @@ def _cache_path(
     import hashlib
 
     # The kernel's source is part of the key: a faster native step must be measured anew.
-    kernel = hashlib.sha256(b"".join(p.read_bytes() for p in NATIVE_SOURCES)).hexdigest()[:16]
+    kernel = native_source_digest()
     # So is how OpenMP threads wait between torch ops: bf16 prompt chunks measured 1.5x faster
     # with spinning threads than with the PASSIVE policy the serving processes use.
     omp = f"{os.environ.get('OMP_WAIT_POLICY', '')},{os.environ.get('GOMP_SPINCOUNT', '')}"
+    # And the native build's flags where they are forced (e.g. the AVX2 build on an AVX-512
+    # machine): its kernels are other kernels, timed apart.
+    native_flags = os.environ.get("SPLITSERVE_NATIVE_CFLAGS", "")
     key = "|".join(
         [
             str(CHOOSER_VERSION),
@@ -255,6 +258,7 @@ def _cache_path(
             ",".join(eligible),
             kernel,
             omp,
+            native_flags,
             str(kv_dtype),
         ]
     )

@@ -44,12 +44,15 @@ def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
     return np.ascontiguousarray(raw.view(np.float16)[..., 0].astype(np.float32))
 
 
-def repack(kind: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def repack(
+    kind: int, blocks: np.ndarray, tile: int = 16
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """GGUF blocks [out, in/32, 20|34] -> (quants, fp32 scales, fp32 mins or None), the layout
     the kernel reads (see decode_step.c, linear_a8.h): the same values, nothing re-quantized.
-    The _A8_TILES kinds carry their scales inside the tiles: (tiles, None, None)."""
+    The _A8_TILES kinds carry their scales inside tiles of `tile` outputs (the build's
+    ss_a8_tiles()): (tiles, None, None)."""
     if kind in (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES):
-        return _tiles(kind, blocks), None, None
+        return _tiles(kind, blocks, tile), None, None
     if kind in (abi.Q4_1, abi.Q4_1_A8):
         quants = np.ascontiguousarray(blocks[..., 4:20])
         if kind == abi.Q4_1_A8:
@@ -65,29 +68,31 @@ def repack(kind: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return quants, _fp16_field(blocks, 0), None
 
 
-def _tiles(kind: int, blocks: np.ndarray) -> np.ndarray:
-    """GGUF blocks -> linear_a8.h's 16-output tiles [tiles, blocks, 320|576] (uint8): per tile
-    and block, the quants as vectors of 4 bytes per output, then the file's fp16 scales (and
-    Q4_1's fp16 mins, or Q8_0's int16 quant sums). Outputs are padded to whole tiles with
-    zero blocks, whose products are zero and never stored."""
+def _tiles(kind: int, blocks: np.ndarray, tile: int) -> np.ndarray:
+    """GGUF blocks -> linear_a8.h's tiles of `tile` outputs [tiles, blocks, bytes] (uint8): per
+    tile and block, the quants as vectors of 4 bytes per output, then the file's fp16 scales
+    (and Q4_1's fp16 mins, or Q8_0's int16 quant sums). Outputs are padded to whole tiles
+    with zero blocks, whose products are zero and never stored."""
+    if tile not in (8, 16):
+        raise ValueError(f"tiles are 8 or 16 outputs wide, not {tile}")
     out, nb, width = blocks.shape
-    tiles = -(-out // abi.TILE)
-    padded = np.zeros((tiles * abi.TILE, nb, width), dtype=np.uint8)
+    tiles = -(-out // tile)
+    padded = np.zeros((tiles * tile, nb, width), dtype=np.uint8)
     padded[:out] = blocks
-    per_tile = padded.reshape(tiles, abi.TILE, nb, width)
+    per_tile = padded.reshape(tiles, tile, nb, width)
 
     def by_block(field: np.ndarray) -> np.ndarray:  # [tiles, 16, nb, k] -> [tiles, nb, 16 * k]
         return field.transpose(0, 2, 1, 3).reshape(tiles, nb, -1)
 
     if kind == abi.Q4_1_A8_TILES:
-        quants = per_tile[..., 4:20].reshape(tiles, abi.TILE, nb, 4, 4)
+        quants = per_tile[..., 4:20].reshape(tiles, tile, nb, 4, 4)
         parts = [per_tile[..., 0:2], per_tile[..., 2:4]]  # fp16 scales, fp16 mins
     else:
-        quants = per_tile[..., 2:34].reshape(tiles, abi.TILE, nb, 8, 4)
+        quants = per_tile[..., 2:34].reshape(tiles, tile, nb, 8, 4)
         sums = per_tile[..., 2:34].view(np.int8).astype(np.int16).sum(axis=-1, dtype=np.int16)
-        sum_bytes = np.ascontiguousarray(sums).view(np.uint8).reshape(tiles, abi.TILE, nb, 2)
+        sum_bytes = np.ascontiguousarray(sums).view(np.uint8).reshape(tiles, tile, nb, 2)
         parts = [per_tile[..., 0:2], sum_bytes]  # fp16 scales, int16 sums
-    # [tiles, 16 outputs, nb, v, 4 bytes] -> [tiles, nb, v, 16 outputs, 4 bytes]
+    # [tiles, outputs, nb, v, 4 bytes] -> [tiles, nb, v, outputs, 4 bytes]
     vectors = quants.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, -1)
     return np.ascontiguousarray(np.concatenate([vectors] + [by_block(f) for f in parts], axis=-1))
 
@@ -114,12 +119,14 @@ def _regroup_nibbles(quants: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed.reshape(out, nb, 16))
 
 
-def int8_kinds(lib) -> tuple[int, int]:
-    """The (Q4_1, Q8_0) kinds this build multiplies int8 activations with: 16-output tiles
-    where it has them (VNNI-512), else the row-major _A8 layout."""
-    if lib.ss_a8_tiles():
-        return abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES
-    return abi.Q4_1_A8, abi.Q8_0_A8
+def int8_kinds(lib) -> tuple[int, int, int]:
+    """(Q4_1 kind, Q8_0 kind, outputs per tile) this build multiplies int8 activations with:
+    tiles where it has them (Q4_1: VNNI-512 and AVX2; Q8_0: VNNI-512), else the row-major
+    _A8 layout (tile 0 where neither is tiled)."""
+    tile = lib.ss_a8_tiles()
+    q4_1 = abi.Q4_1_A8_TILES if tile else abi.Q4_1_A8
+    q8_0 = abi.Q8_0_A8_TILES if lib.ss_a8_q8_tiles() else abi.Q8_0_A8
+    return q4_1, q8_0, tile
 
 
 # How the native step multiplies: "fp32" activations against the dequantized blocks (the fp32
@@ -152,7 +159,7 @@ class NativeStep:
         self._keep: list[object] = []  # arrays the C structs point into
         t = checkpoint.tensors
         self._weight_bytes = 0
-        self._int8_kinds = int8_kinds(lib)
+        *self._int8_kinds, self._tile = int8_kinds(lib)
         layers = (abi.Layer * cfg.num_layers)()
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
@@ -267,7 +274,7 @@ class NativeStep:
                 # Copied onto huge pages: every step streams all of them (see huge_pages.py).
                 quants, scales, mins = (
                     None if a is None else copy_array(a)
-                    for a in repack(kind, _stack([blocks[n] for n in names]))
+                    for a in repack(kind, _stack([blocks[n] for n in names]), self._tile)
                 )
                 arrays = [a for a in (quants, scales, mins) if a is not None]
                 self._keep.extend(arrays)

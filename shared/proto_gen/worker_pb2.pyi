@@ -161,7 +161,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[GenerateSpec, _Mapping]] = ..., kv_transferred: _Optional[bool] = ..., first_token: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "kv_wait_ms", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "kv_wait_ms", "prompt_logprobs", "handed_over")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class DecodeChunk(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     token_time_ms: _containers.RepeatedScalarFieldContainer[float]
@@ -184,7 +185,8 @@ class DecodeChunk(_message.Message):
     local_prefill: bool
     kv_wait_ms: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_time_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    handed_over: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_time_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., handed_over: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -93,3 +93,4 @@ SPAN_TRANSFER = "splitserve.kv_transfer"
 # Span event names.
 EVENT_FIRST_TOKEN = "splitserve.first_token"
 EVENT_STREAM_END = "splitserve.stream_end"
+EVENT_HANDED_OVER = "splitserve.handed_over"  # a draining replica gave the stream up

@@ -134,7 +134,7 @@ class RequestTrace:
         attempts = _listed(metadata.get("attempts"))
         if len(attempts) > 1:  # every attempt after the first, by why it was made
             reasons = [a.get("reason") if isinstance(a, dict) else None for a in attempts]
-            migrations = reasons.count("migration")
+            migrations = reasons.count("migration") + reasons.count("drain")  # drain: hand-over
             if len(attempts) - 1 - migrations:
                 self.span.set_attribute(A.FALLBACK_ATTEMPTS, len(attempts) - 1 - migrations)
             if migrations:

@@ -200,6 +200,11 @@ class DecodeTrace(_CallTrace):
     def observe(self, chunk: pb.DecodeChunk) -> None:
         if not self.recording:
             return
+        if chunk.handed_over:  # no tokens: the stream goes on elsewhere
+            self.span.add_event(
+                A.EVENT_HANDED_OVER, {"reason": chunk.handed_over}, timestamp=time.time_ns()
+            )
+            return
         self.chunks_seen += 1
         if self.chunks_seen == 1:
             self.local_prefill = chunk.local_prefill

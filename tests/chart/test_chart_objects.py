@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from services.commands import planner_cmd
+from services.worker_server.server import DRAIN_TAIL_S
 from tests.chart.conftest import CHART, ROOT, VALUE_SETS, helm_template, render
 
 
@@ -67,9 +68,13 @@ def test_probes_hit_real_endpoints_and_pods_drain_before_they_stop():
         assert c["startupProbe"]["grpc"]["port"] == port
         assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"  # a drain is no reason to kill
         assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-        # The pod outlives its preStop pause plus the worker's own drain.
+        # The pod outlives its preStop pause, the worker's own drain and what follows it:
+        # the hand-over of its unfinished streams and the server's stop (a tail each).
         pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-        assert spec["terminationGracePeriodSeconds"] > pause + config["worker_drain_grace_s"]
+        after_grace = 2 * DRAIN_TAIL_S
+        assert spec["terminationGracePeriodSeconds"] > (
+            pause + config["worker_drain_grace_s"] + after_grace
+        )
     for d in workers(render("everything")):
         c = d["spec"]["template"]["spec"]["containers"][0]
         assert c["readinessProbe"]["tcpSocket"]["port"] == "grpc"  # probes.readiness: tcp

@@ -46,18 +46,20 @@ def calm(stack) -> dict[str, str]:
 @dataclass
 class Stream:
     prompt: str
+    max_tokens: int = MAX_TOKENS
     text: str = ""
     decode: str = ""  # worker id of the decode replica that took it first
     tokens: int = 0
     errors: list[dict] = field(default_factory=list)
     finished: bool = False
+    attempts: list[dict] = field(default_factory=list)  # from the last chunk's metadata
 
 
 def _run_stream(stack, s: Stream, started: threading.Event | None = None) -> None:
     body = {
         "model": DEFAULT_MODEL_ID,
         "messages": [{"role": "user", "content": s.prompt}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": s.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -70,8 +72,11 @@ def _run_stream(stack, s: Stream, started: threading.Event | None = None) -> Non
             event = json.loads(line.removeprefix("data: "))
             if "error" in event:
                 s.errors.append(event["error"])
-            if not s.decode and event.get("metadata", {}).get("replica"):
-                s.decode = event["metadata"]["replica"].split("->")[-1]
+            metadata = event.get("metadata", {})
+            if not s.decode and metadata.get("replica"):
+                s.decode = metadata["replica"].split("->")[-1]
+            if metadata.get("attempts"):  # on the first chunk and the last
+                s.attempts = json.loads(metadata["attempts"])
             for choice in event.get("choices", []):
                 if choice["delta"].get("content"):
                     s.text += choice["delta"]["content"]
@@ -82,8 +87,10 @@ def _run_stream(stack, s: Stream, started: threading.Event | None = None) -> Non
                 started.set()
 
 
-def _run_all(stack, prompts: list[str], on_started=None) -> list[Stream]:
-    streams = [Stream(p) for p in prompts]
+def _run_all(
+    stack, prompts: list[str], on_started=None, max_tokens: int = MAX_TOKENS
+) -> list[Stream]:
+    streams = [Stream(p, max_tokens) for p in prompts]
     started = threading.Event()
     threads = [
         threading.Thread(target=_run_stream, args=(stack, s, started), daemon=True) for s in streams

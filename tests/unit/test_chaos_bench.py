@@ -29,7 +29,11 @@ def test_table_rows_hold_each_figure_beside_its_target():
             "kill_decode": {**scenario, "recovery_s": 4.2, "p99_stall_ms": 100.0, "calm": calm}
         }
     }
+    result["scenarios"]["drain_decode"] = {
+        **scenario, "recovery_s": 3.0, "p99_stall_ms": 80.0, "calm": calm, "handed_over": 1
+    }  # fmt: skip
     rows = {name: (ours, ref, ratio) for name, ours, ref, ratio in table_rows(result)}
+    assert rows["drain_decode: handed over"] == (1, None, None)
     assert rows["kill_decode: identical / streams"] == (2, 2, None)
     assert rows["kill_decode: leaked blocks"] == (0, 0, None)
     assert rows["kill_decode: p99 stall ms vs calm"] == (100.0, 50.0, 2.0)

@@ -71,6 +71,7 @@ class Replica:
     server: grpc.aio.Server
     control: DecodeTransferControl | None
     info: WorkerInfo
+    servicer: WorkerServicer
     dead: bool = False
 
     async def kill(self) -> None:
@@ -132,9 +133,8 @@ async def start_fleet(
             runtime.start()
             server = grpc.aio.server()
             control = DecodeTransferControl(runtime) if role != "prefill" else None
-            pb_grpc.add_WorkerServicer_to_server(
-                WorkerServicer(runtime, telemetry, control), server
-            )
+            servicer = WorkerServicer(runtime, telemetry, control)
+            pb_grpc.add_WorkerServicer_to_server(servicer, server)
             if control is not None:
                 add_control_servicer(server, control)
             port = server.add_insecure_port("127.0.0.1:0")
@@ -148,7 +148,7 @@ async def start_fleet(
                 max_model_len=runtime.engine.max_model_len,
             )
             registry.register(worker)
-            fleet.replicas[worker.worker_id] = Replica(runtime, server, control, worker)
+            fleet.replicas[worker.worker_id] = Replica(runtime, server, control, worker, servicer)
     return fleet
 
 

@@ -160,8 +160,8 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv).clamp(-127, 127) * d).reshape(rows, n)
 
 
-def _linear(code: int, blocks: np.ndarray) -> abi.Linear:
-    quants, scales, mins = repack(code, blocks)
+def _linear(code: int, blocks: np.ndarray, tile: int = 16) -> abi.Linear:
+    quants, scales, mins = repack(code, blocks, tile)
     linear = abi.Linear(
         code,
         blocks.shape[0],
@@ -187,10 +187,12 @@ def test_int8_activation_matrix_equals_its_quantized_product(native_lib, kind, i
         "q4_1-tiles": (_q4_1_blocks, _q4_1_dense, abi.Q4_1_A8_TILES),
         "q8_0-tiles": (_q8_0_blocks, _q8_0_dense, abi.Q8_0_A8_TILES),
     }[kind]
-    if code in (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES) and not native_lib.ss_a8_tiles():
-        pytest.skip("this CPU's build has no 16-output tiles (they need AVX512-VNNI)")
+    q4_1_kind, q8_0_kind, tile = int8_kinds(native_lib)
+    tiled = code in (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES)
+    if tiled and code not in (q4_1_kind, q8_0_kind):
+        pytest.skip("this CPU's build has no such tiles (Q4_1 needs AVX2, Q8_0 AVX512-VNNI)")
     blocks = make(37, inp, seed=inp)
-    matrix = NativeMatrix(_Holder(native_lib, threads), _linear(code, blocks))  # type: ignore[arg-type]
+    matrix = NativeMatrix(_Holder(native_lib, threads), _linear(code, blocks, tile))  # type: ignore[arg-type]
     x = torch.randn(6, inp, generator=torch.Generator().manual_seed(inp))
     got = matrix(x)
     want = _quantized_activations(x.double()) @ dense_of(blocks).double().T
@@ -224,21 +226,33 @@ def test_the_other_simd_paths_compute_the_same_products(flags, monkeypatch, tmp_
         inputs = _quantized_activations(x.double()) if quantized else x.double()
         want = inputs @ dense_of(blocks).double().T
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), code
-    # Tiles are the VNNI-512 build's layout: these builds say so, and refuse such a matrix.
-    assert build.library.ss_a8_tiles() == 0
-    tiles = _linear(abi.Q4_1_A8_TILES, _q4_1_blocks(37, 160, seed=1))
+    # AVX2 tiles Q4_1 in 8 outputs (and refuses Q8_0 tiles); plain C tiles nothing.
+    q4_1_kind, q8_0_kind, tile = int8_kinds(build.library)
+    avx2 = flags.startswith("-O3 -mavx2")
+    want_kinds = (abi.Q4_1_A8_TILES, abi.Q8_0_A8, 8) if avx2 else (abi.Q4_1_A8, abi.Q8_0_A8, 0)
+    assert (q4_1_kind, q8_0_kind, tile) == want_kinds
+    blocks = _q4_1_blocks(37, 160, seed=1)
+    tiles = NativeMatrix(holder, _linear(abi.Q4_1_A8_TILES, blocks, 8))  # type: ignore[arg-type]
+    if tile:
+        want = _quantized_activations(x.double()) @ _q4_1_dense(blocks).double().T
+        got = tiles(x)
+        assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        for r in range(5):  # a row's result does not depend on the rows beside it
+            assert torch.equal(tiles(x[r : r + 1])[0], got[r])
+    else:
+        with pytest.raises(NativeStepError):
+            tiles(x)
+    q8_tiles = _linear(abi.Q8_0_A8_TILES, _q8_0_blocks(37, 160, seed=1))
     with pytest.raises(NativeStepError):
-        NativeMatrix(holder, tiles)(x)  # type: ignore[arg-type]
+        NativeMatrix(holder, q8_tiles)(x)  # type: ignore[arg-type]
 
 
 def test_the_step_multiplies_int8_activations_in_this_builds_layout(native_lib):
     """The model's matrices take the tiles exactly where the build has them."""
-    want = (
-        (abi.Q4_1_A8_TILES, abi.Q8_0_A8_TILES)
-        if native_lib.ss_a8_tiles()
-        else (abi.Q4_1_A8, abi.Q8_0_A8)
-    )
-    assert int8_kinds(native_lib) == want
+    tile = native_lib.ss_a8_tiles()
+    q8_0 = abi.Q8_0_A8_TILES if native_lib.ss_a8_q8_tiles() else abi.Q8_0_A8
+    assert int8_kinds(native_lib) == (abi.Q4_1_A8_TILES if tile else abi.Q4_1_A8, q8_0, tile)
+    assert tile in (0, 8, 16)
 
 
 def test_a_matrix_with_ragged_blocks_is_refused(native_lib):
@@ -537,18 +551,16 @@ def test_speculative_decoding_equals_plain(model_and_alone, method):
     engine.blocks.check_integrity()
 
 
-@pytest.mark.real_model
-def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model):
-    """The bundled GGUF through the native step: logits agree with the fp32 build's."""
-    native = LlamaModel(real_checkpoint, weights="native")
-    assert native.native is not None
-    prompt = [1, *range(300, 340)]
-    pool, table = _prefilled(real_model, prompt, blocks=8)
+def _real_model_step(real_model, native: LlamaModel, prompt: list[int], kv_dtype: torch.dtype):
+    """Two new tokens after `prompt` through torch's attention and through the native step,
+    each on its own copy of the same prefilled pool: (native logits, torch logits)."""
+    pool, table = _prefilled(real_model, prompt, blocks=8, dtype=kv_dtype)
     twin = KVPool(pool.layout, pool.num_blocks)
     twin.tensor.copy_(pool.tensor)
     n = len(prompt)
     meta = AttentionMetadata([2], [n + 2], [table], 16)
     want = real_model.logits(real_model.forward(torch.tensor([42, 7]), meta, pool))
+    assert native.native is not None
     hidden = native.native.forward(
         np.asarray([42, 7], dtype=np.int64),
         np.asarray([n, n + 1], dtype=np.int32),
@@ -556,6 +568,37 @@ def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model)
         twin.tensor,
         16,
     )
-    got = native.logits(hidden, decode=True)
+    return native.logits(hidden, decode=True), want
+
+
+@pytest.mark.real_model
+def test_native_step_matches_fp32_on_the_real_model(real_checkpoint, real_model):
+    """The bundled GGUF through the native step: logits agree with the fp32 build's."""
+    native = LlamaModel(real_checkpoint, weights="native")
+    got, want = _real_model_step(real_model, native, [1, *range(300, 340)], torch.float32)
     assert (got - want).abs().max().item() <= 1e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32-kv", "fp16-kv"])
+@pytest.mark.parametrize("flags", ["-O3 -mavx2 -mfma -mf16c", "-O3"], ids=["avx2", "scalar"])
+def test_the_other_builds_attend_alike_on_the_real_model(
+    real_checkpoint, real_model, kv_dtype, flags, monkeypatch, tmp_path
+):
+    """The AVX2 and plain-C builds' attention at the real head size (64), whose AVX2 path
+    widens each block's rows once and reduces eight dots together: the same logits as torch's
+    attention over a context of whole and partial blocks."""
+    from kernels.native.build import load
+
+    monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", flags)
+    other = load(tmp_path)
+    assert other.available, other.reason
+    native = LlamaModel(real_checkpoint, weights="native")  # row-major kinds: any build reads them
+    assert native.native is not None
+    native.native.lib = other.library
+    # 101 tokens: six whole blocks and a partial one.
+    got, want = _real_model_step(real_model, native, [1, *range(300, 400)], kv_dtype)
+    # Summation order alone: 30 layers of fp32 rounding, logits of magnitude ~25.
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -68,3 +68,33 @@ def test_the_shipped_profile_says_it_is_foreign(capsys):
     basis = profile_basis(load_profile(default_profile_path()), None)
     assert not basis["check"]["matches"]
     assert "no hardware signature" in capsys.readouterr().err
+
+
+def test_a_change_to_the_native_kernels_is_another_profile(cache_home, monkeypatch):
+    # The replicas run the native step; a profile timed on its old source is stale.
+    before = local.cache_path("auto", 1, quick=True)
+    monkeypatch.setattr(local, "native_source_digest", lambda: "another-kernel-source")
+    assert local.cache_path("auto", 1, quick=True) != before
+
+
+def test_the_profiler_chooses_auto_formats_for_the_kv_type_replicas_serve(monkeypatch):
+    # `auto` times formats over the pool they will read; the profile must time the choice
+    # made for the served KV type (fp16 here), not for the fp32 default of the loader.
+    from services.profiler.run import run_profile
+    from shared.config import engine_defaults
+    from shared.kvcache.kv_dtype import resolve_kv_dtype
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def loader(source, weights, threads=None, kv_dtype=None, **_):
+        seen.update(weights=weights, kv_dtype=kv_dtype)
+        raise Stop
+
+    monkeypatch.setattr("shared.engine.model_setup.load_serving_model", loader)
+    with pytest.raises(Stop):
+        run_profile(weights="auto", threads=1, quick=True, progress=lambda _: None)
+    served, _ = resolve_kv_dtype(engine_defaults.KV_CACHE_DTYPE)
+    assert seen == {"weights": "auto", "kv_dtype": served}

@@ -20,10 +20,13 @@ from services.tuner.simulator import simulate
 from services.tuner.stepmath import run_ms, steps_to_reach, steps_within
 from services.tuner.synthetic import poisson_trace, uniform_trace
 from services.tuner.trace import Trace
+from shared.config.router import RouterConfig
 
 PREFILL = PrefillModel(5.0, 1.0, 0.001)
 DECODE = DecodeModel(3.0, 1.0, 0.01)
 TRANSFER = TransferModel(2.0, 1.0)
+# Every prompt through the prefill pool: what the prefill router policies are tested on.
+NO_LOCAL_PREFILL = RouterConfig(local_prefill_max_tokens=0)
 
 
 def make_profile(
@@ -73,15 +76,16 @@ def test_a_lone_request_takes_exactly_its_chunks_transfer_and_decode_steps():
     trace = _trace([0.0], [350], [5])
     result = simulate(trace, profile, FleetConfig(1, 1))
     prefill = prefill_alone_ms(profile.prefill, 350, 0, 100)  # 4 chunks: 100, 100, 100, 50
-    ttft = prefill + profile.transfer.ms(350 * 1000)
-    assert result.ttft_ms[0] == pytest.approx(ttft)
-    # Four decode steps at batch 1, context 351, 352, 353, 354.
+    # The first token is streamed as soon as it is sampled; the KV push follows it.
+    assert result.ttft_ms[0] == pytest.approx(prefill)
+    push = profile.transfer.ms(350 * 1000)
+    # Four decode steps at batch 1, context 351, 352, 353, 354, once the KV has landed.
     steps = [profile.decode.step(1, 351 + i) for i in range(4)]
-    assert result.e2e_ms[0] == pytest.approx(ttft + sum(steps))
-    # The tokens' gaps: four of them, weighted; their mean is the mean step.
+    assert result.e2e_ms[0] == pytest.approx(prefill + push + sum(steps))
+    # The tokens' gaps: four of them, weighted; the first also waits for the push.
     assert result.itl_weight.sum() == 4
     mean = np.average(result.itl_ms, weights=result.itl_weight)
-    assert mean == pytest.approx(np.mean(steps))
+    assert mean == pytest.approx((push + sum(steps)) / 4)
 
 
 def test_every_request_completes_and_every_token_is_produced_once():
@@ -109,12 +113,61 @@ def test_higher_tiers_are_admitted_first():
 def test_a_shared_prefix_is_reused_on_the_replica_that_holds_it():
     ids = [(1, 2, 3), (1, 2, 9), (7,)]
     trace = _trace([0.0, 5000.0, 10000.0], [300, 300, 100], [2, 2, 2], ids, block_tokens=100)
-    result = simulate(trace, make_profile(), FleetConfig(2, 1, router="prefix_only"))
+    fleet = FleetConfig(2, 1, router="prefix_only")
+    result = simulate(trace, make_profile(), fleet, router_config=NO_LOCAL_PREFILL)
     assert result.cached_tokens.tolist() == [0, 200, 0]
     assert result.prefill_replica[0] == result.prefill_replica[1]
     # Without room in the cache nothing is reused.
-    no_cache = simulate(trace, make_profile(), FleetConfig(2, 1, cache_tokens=0))
+    no_cache = simulate(
+        trace, make_profile(), FleetConfig(2, 1, cache_tokens=0), router_config=NO_LOCAL_PREFILL
+    )
     assert no_cache.cached_tokens.tolist() == [0, 0, 0]
+
+
+def test_a_decode_replica_holding_the_conversation_prefills_its_tail_itself():
+    # Turn 1 (blocks 1, 2, 3 of 100 tokens) goes through the prefill pool, and its KV stays
+    # on decode replica 0. Turn 2 (1, 2, 9) finds 200 of its 300 tokens there: >= 50% held
+    # and a 100-token tail <= 256, so that replica prefills the tail itself: one chunk of
+    # 100 new tokens over 200 cached, 5 + 100 + 0.001 * 100 * 250 = 130 ms, no transfer.
+    ids = [(1, 2, 3), (1, 2, 9)]
+    trace = _trace([0.0, 5000.0], [300, 300], [2, 3], ids, block_tokens=100)
+    profile = make_profile()
+    result = simulate(trace, profile, FleetConfig(1, 1))
+    assert result.local_prefills == 1
+    assert result.prefill_replica.tolist() == [0, -1]
+    assert result.cached_tokens.tolist() == [0, 200]
+    assert result.ttft_ms[1] == pytest.approx(130.0)
+    # Then its two decode steps at context 301 and 302.
+    steps = profile.decode.step(1, 301) + profile.decode.step(1, 302)
+    assert result.e2e_ms[1] == pytest.approx(130.0 + steps)
+    # The rule is the live router's: off, under half the prompt held, or too long a tail,
+    # and the prefill pool does it (and the transfer follows).
+    off = simulate(trace, profile, FleetConfig(1, 1), router_config=NO_LOCAL_PREFILL)
+    short = RouterConfig(local_prefill_max_tokens=99)
+    too_long = simulate(trace, profile, FleetConfig(1, 1), router_config=short)
+    little = _trace([0.0, 5000.0], [300, 300], [2, 3], [(1, 2, 3), (1, 8, 9)], block_tokens=100)
+    under_half = simulate(little, profile, FleetConfig(1, 1))
+    for other in (off, too_long, under_half):
+        assert other.local_prefills == 0 and other.prefill_replica.tolist() == [0, 0]
+    assert off.ttft_ms[1] == pytest.approx(130.0)  # the prefill replica holds it too
+    assert under_half.ttft_ms[1] > 130.0
+
+
+def test_a_local_prefill_stalls_the_decode_batch_it_joins():
+    # Turn 1 decodes 200 tokens (about 5 ms a step); turn 2 arrives at 500 ms, while it
+    # runs, and its 130 ms local prefill is a stall the running sequence's next gap waits
+    # through. A one-token reply finishes at its first token.
+    ids = [(1, 2, 3), (1, 2, 9)]
+    trace = _trace([0.0, 500.0], [300, 300], [200, 1], ids, block_tokens=100)
+    result = simulate(trace, make_profile(), FleetConfig(1, 1))
+    assert result.local_prefills == 1
+    assert result.ttft_ms[1] == result.e2e_ms[1]
+    assert 130.0 <= result.ttft_ms[1] < 140.0  # the stall starts at the next step boundary
+    # The stalled gap: the stall and one step at batch 1, context between 301 and 501.
+    step = make_profile().decode.step
+    assert 130.0 + step(1, 301) <= result.itl_ms.max() <= 130.0 + step(1, 501)
+    alone = simulate(_trace([0.0], [300], [200]), make_profile(), FleetConfig(1, 1))
+    assert result.e2e_ms[0] == pytest.approx(alone.e2e_ms[0] + 130.0)
 
 
 def test_prefix_cache_evicts_least_recent_and_matches_only_leading_blocks():
@@ -137,8 +190,15 @@ def test_router_policies_place_requests_as_designed():
     # kv_aware leaves the replica holding the prefix once its queue outweighs the saving.
     ids = [(1, 2)] * 4  # half of each 400-token prompt is a shared prefix
     busy = _trace([0, 1, 2, 3], [400] * 4, [2] * 4, ids, block_tokens=100)
-    kv = simulate(busy, make_profile(), FleetConfig(2, 1, router="kv_aware"))
-    prefix = simulate(busy, make_profile(), FleetConfig(2, 1, router="prefix_only"))
+    kv = simulate(
+        busy, make_profile(), FleetConfig(2, 1, router="kv_aware"), router_config=NO_LOCAL_PREFILL
+    )
+    prefix = simulate(
+        busy,
+        make_profile(),
+        FleetConfig(2, 1, router="prefix_only"),
+        router_config=NO_LOCAL_PREFILL,
+    )
     assert set(prefix.prefill_replica.tolist()) == {0}
     assert set(kv.prefill_replica.tolist()) == {0, 1}
 

@@ -1,6 +1,7 @@
 """The simulator's resource terms, each on a toy case computed by hand: a decode replica's
 KV capacity (joins wait for room), preemption when a batch's growth overflows it (the victim
-rejoins later and recomputes its KV), and KV pushes sharing a prefill replica's link."""
+rejoins later and recomputes its KV), KV pushes sharing a prefill replica's link, and the first
+token streamed before its KV push."""
 
 from __future__ import annotations
 
@@ -81,15 +82,43 @@ def test_growth_past_capacity_preempts_the_latest_and_it_recomputes():
 
 
 def test_pushes_share_the_prefill_replicas_link():
-    # The prompts prefill [0, 1] and [1, 2]; each pushes 100 tokens x 15 kB = 1.5 MB at
-    # 1 GB/s (1e6 bytes per ms): 1.5 ms. The first push holds the link until 2.5, so the
-    # second's bytes go 2.5..4.0 (alone it would be done at 3.5).
-    toy = trace([0, 0], [100, 100], [1, 1])
+    # The prompts prefill [0, 1] and [1, 2]; their first tokens are out then (streamed
+    # before the KV moves). Each pushes 100 tokens x 15 kB = 1.5 MB at 1 GB/s (1e6 bytes per
+    # ms): 1.5 ms. The first push holds the link until 2.5, so the second's bytes go
+    # 2.5..4.0 (alone it would be done at 3.5). A joins decode at 2.5 and steps [2.5, 6.5];
+    # B, its KV in at 4.0, joins at that step's end and steps alone [6.5, 10.5].
+    toy = trace([0, 0], [100, 100], [2, 2])
     result = simulate(toy, profile(10_000, kv_bytes=15_000), FleetConfig(1, 1))
-    assert result.ttft_ms.tolist() == pytest.approx([2.5, 4.0])
-    # With two prefill replicas each prefills at once and pushes over its own link.
+    assert result.ttft_ms.tolist() == pytest.approx([1.0, 2.0])
+    assert finish_ms(result) == pytest.approx([6.5, 10.5])
+    # With two prefill replicas each prefills [0, 1] and pushes over its own link: both KV
+    # are in at 2.5 and step together (5 ms at batch 2).
     apart = simulate(toy, profile(10_000, kv_bytes=15_000), FleetConfig(2, 1))
-    assert apart.ttft_ms.tolist() == pytest.approx([2.5, 2.5])
+    assert apart.ttft_ms.tolist() == pytest.approx([1.0, 1.0])
+    assert finish_ms(apart) == pytest.approx([7.5, 7.5])
+
+
+def test_the_first_token_does_not_wait_for_the_kv_push():
+    # A 100-token prompt prefills [0, 1]; a 100 MB push (1 MB per token) takes 100 ms. The
+    # first token is out at 1 whatever the KV weighs; the decode replica's first step waits
+    # for the push ([101, 105]), so that wait is in the reply's first inter-token gap.
+    toy = trace([0], [100], [2])
+    light = simulate(toy, profile(10_000, kv_bytes=0), FleetConfig(1, 1))
+    heavy = simulate(toy, profile(10_000, kv_bytes=1_000_000), FleetConfig(1, 1))
+    assert light.ttft_ms.tolist() == heavy.ttft_ms.tolist() == pytest.approx([1.0])
+    assert finish_ms(light) == pytest.approx([5.0])
+    assert finish_ms(heavy) == pytest.approx([105.0])
+    assert heavy.itl_ms.tolist() == pytest.approx([104.0])
+
+
+def test_a_one_token_reply_pushes_nothing():
+    # A's reply is its first token, so its KV goes nowhere and B's push has the link to
+    # itself: B's KV (1.5 ms of bytes from its prefill's end at 2) is in at 3.5, and its one
+    # decode step ends at 7.5.
+    toy = trace([0, 0], [100, 100], [1, 2])
+    result = simulate(toy, profile(10_000, kv_bytes=15_000), FleetConfig(1, 1))
+    assert result.ttft_ms.tolist() == pytest.approx([1.0, 2.0])
+    assert finish_ms(result) == pytest.approx([1.0, 7.5])
 
 
 def test_colocated_replicas_slow_each_other_by_the_neighbours_utilization():

@@ -195,11 +195,18 @@ def test_attempts_and_migrations_given_as_json_lists():
     assert 'splitserve_request_migrations_total{model="m",tier="default"} 2.0' in text
 
 
-def test_attempts_count_fallbacks_and_migrations_by_their_reason():
+@pytest.mark.parametrize(
+    ("reasons", "attempt", "migrations"),
+    [
+        (["first", "fallback", "migration"], 2, 1),  # one fallback, one migration
+        (["first", "drain", "migration"], 1, 2),  # a drain's hand-over is a migration
+    ],
+)
+def test_attempts_count_fallbacks_and_migrations_by_their_reason(reasons, attempt, migrations):
     metrics = APIMetrics()
-    attempts = [{"reason": "first"}, {"reason": "fallback"}, {"reason": "migration"}]
+    attempts = [{"reason": r} for r in reasons]
     metrics.count_outcome("m", "default", 200, {"attempts": json.dumps(attempts)})
     text = metrics.render().decode()
-    outcome = 'attempt="2",model="m",outcome="success",tier="default"'  # one fallback
+    outcome = f'attempt="{attempt}",model="m",outcome="success",tier="default"'
     assert f"splitserve_request_outcomes_total{{{outcome}}} 1.0" in text
-    assert 'splitserve_request_migrations_total{model="m",tier="default"} 1.0' in text
+    assert f'splitserve_request_migrations_total{{model="m",tier="default"}} {migrations}.0' in text

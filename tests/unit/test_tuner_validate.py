@@ -15,7 +15,14 @@ from services.tuner.calibrate import Anchoring, Probe, anchor
 from services.tuner.fleet import FleetConfig
 from services.tuner.simulator import simulate
 from services.tuner.trace import Trace
-from services.tuner.validate import at_arrivals, make_slice, simulate_anchored, slice_request
+from services.tuner.validate import (
+    MIN_GAP_MS,
+    at_arrivals,
+    make_slice,
+    simulate_anchored,
+    slice_request,
+    spread_ties,
+)
 
 
 def _profile() -> ReplicaProfile:
@@ -60,16 +67,30 @@ def test_slice_arrivals_keep_their_pattern_at_the_target_utilization():
     sl = make_slice("m", _mooncake_like(), profile, 1000, count=4, utilization=0.5)
     busy = sum(profile.prefill_ms(int(n)) for n in sl.trace.input_tokens)
     assert sl.trace.arrival_ms[-1] == pytest.approx(busy / 0.5)
-    gaps = np.diff(sl.trace.arrival_ms)
-    assert gaps[0] == 0.0 and gaps[2] == pytest.approx(2 * gaps[1])
+    # Trace times 0, 0, 1000, 3000 stretched: the tie is spread by MIN_GAP_MS (in trace
+    # order), the rest keep their times.
+    arrivals = sl.trace.arrival_ms
+    assert arrivals[1] - arrivals[0] == MIN_GAP_MS
+    assert arrivals[3] == pytest.approx(3 * arrivals[2])
+
+
+def test_spread_ties_keeps_trace_order_and_never_moves_an_arrival_earlier():
+    arrivals = np.array([0.0, 0.0, 0.0, 5.0, 100.0, 100.0, 130.0])
+    spread = spread_ties(arrivals, 20.0)
+    # A burst of three at 0 goes 0, 20, 40; 5 comes after 40; 100 stays, its twin goes to
+    # 120; 130 is 10 after that, so it moves to 140.
+    assert spread.tolist() == [0.0, 20.0, 40.0, 60.0, 100.0, 120.0, 140.0]
+    assert (spread >= arrivals).all() and (np.diff(spread) >= 20.0).all()
+    assert arrivals.tolist() == [0.0, 0.0, 0.0, 5.0, 100.0, 100.0, 130.0]  # not modified
+    assert spread_ties(np.array([]), 20.0).tolist() == []
 
 
 def test_anchoring_recovers_speed_overhead_and_a_busy_neighbours_cost():
     profile = _profile()
 
+    # The first token is streamed before the KV push: none of the push is in it.
     def first_token(n: int, slowdown: float) -> float:
-        push = profile.transfer.ms(n * profile.kv_bytes_per_token)
-        return slowdown * profile.prefill_ms(n) + push + 20.0
+        return slowdown * profile.prefill_ms(n) + 20.0
 
     # The stack runs prefill 1.5x slower than profiled plus 20 ms of serving path, decode
     # 1.2x slower, and prefill a further 2x slower while the decode replica is busy.

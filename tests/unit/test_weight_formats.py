@@ -77,6 +77,12 @@ def test_a_choice_is_measured_once_per_machine_then_cached(tmp_path, monkeypatch
     assert not choose(ck, ["fp32", "native"], model_key="tiny-0", threads=2).cached
     half = choose(ck, ["fp32", "native"], model_key="tiny-0", threads=1, kv_dtype=torch.float16)
     assert not half.cached
+    # A forced native build (the AVX2 one on an AVX-512 machine) is other kernels.
+    from shared.model import formats
+
+    key = formats._cache_path("tiny-0", ["fp32", "native"], 1, torch.float32)
+    monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", "-O3 -mavx2 -mfma -mf16c")
+    assert formats._cache_path("tiny-0", ["fp32", "native"], 1, torch.float32) != key
 
 
 def test_formats_are_timed_in_rounds_each_keeping_its_best(monkeypatch):
