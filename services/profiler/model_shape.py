@@ -61,6 +61,18 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: ModelConfig, name: str) -> ModelShape:
+        """Of a loaded config, any family: the same shape `from_hf_config` reads from its
+        config.json, so a measured profile and an analytic one of a model hash the same."""
+        moe = config.moe
+        experts = {}
+        if moe is not None:
+            experts = dict(
+                num_experts=moe.num_experts,
+                experts_per_token=moe.top_k,
+                expert_intermediate_size=moe.expert_intermediate_size,
+                shared_expert_intermediate_size=moe.shared_intermediate_size,
+                moe_layers=sum(moe.sparse_layers),
+            )
         return cls(
             name=name,
             vocab_size=config.vocab_size,
@@ -72,6 +84,7 @@ class ModelShape:
             intermediate_size=config.intermediate_size,
             max_position=config.max_position,
             tie_embeddings=config.tie_embeddings,
+            **experts,
         )
 
     @classmethod

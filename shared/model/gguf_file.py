@@ -1,9 +1,13 @@
-"""Read a Llama-family GGUF: its hyper-parameters and its tensors, dequantized to fp32.
+"""Read a GGUF of any registered family: its hyper-parameters and its tensors, dequantized to fp32.
 
-llama.cpp's converter permutes the rows of Q and K so that RoPE rotates adjacent pairs; we undo
-that here so GGUF and Hugging Face checkpoints share one model (rotate-half RoPE) and one layout.
-Q4_1 tensors also keep their raw blocks, so the int4 path can reuse the file's own quantization
-instead of re-quantizing already-quantized weights.
+GGUF names a tensor by its role, the same for every architecture (`ffn_norm` is always the
+norm before the MLP, `post_attention_norm` always the one on the attention's output), so one
+table maps them onto our names. llama.cpp's converter permutes the rows of Q and K of `llama`
+files (only those) so that RoPE rotates adjacent pairs; we undo that here so GGUF and Hugging
+Face checkpoints share one model (rotate-half RoPE) and one layout. Experts arrive merged into
+one [experts, out, in] tensor per matrix and are split back. Q4_1 tensors also keep their raw
+blocks, so the int4 path can reuse the file's own quantization instead of re-quantizing
+already-quantized weights.
 """
 
 from __future__ import annotations
@@ -18,18 +22,40 @@ from shared.model.tensor_names import expected_tensor_names
 from shared.modelfile.config import ModelConfig, ModelFileError
 from shared.modelfile.gguf_meta import config_from_header, read_header
 
-# GGUF tensor names -> our names (per layer `blk.{i}.` prefix).
+# GGUF per-layer tensor names (after `blk.{i}.`) -> ours.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_norm",
     "attn_q.weight": "q_proj",
     "attn_k.weight": "k_proj",
     "attn_v.weight": "v_proj",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
     "attn_output.weight": "o_proj",
+    "post_attention_norm.weight": "attn_out_norm",
     "ffn_norm.weight": "post_attention_norm",
+    "post_ffw_norm.weight": "mlp_out_norm",
     "ffn_gate.weight": "gate_proj",
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_shexp.weight": "shared.gate_proj",
+    "ffn_up_shexp.weight": "shared.up_proj",
+    "ffn_down_shexp.weight": "shared.down_proj",
+    "ffn_gate_inp_shexp.weight": "shared_gate",
 }
+# Experts merged into one tensor per matrix ([experts, out, in] in PyTorch order).
+_MERGED_EXPERTS = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
+# Older Mixtral files: one tensor per expert, `blk.{i}.ffn_gate.{e}.weight`.
+_SPLIT_EXPERTS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+# Architectures whose converter permutes the rows of Q and K.
+_PERMUTED_ARCHITECTURES = ("llama",)
 
 
 @dataclass
@@ -60,6 +86,7 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
     path = str(path)
     header = read_header(path)  # checks the whole file is there before anything maps it
     config = config_from_header(header)
+    permuted = header.get("general.architecture") in _PERMUTED_ARCHITECTURES
     reader = _open(path)
     n_heads, n_kv = config.num_heads, config.num_kv_heads
     tensors: dict[str, torch.Tensor] = {}
@@ -78,7 +105,16 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
         weight = torch.from_numpy(
             np.array(array, dtype=np.float32)
         )  # copy: the file is mmapped read-only
-        heads = n_heads if name.endswith("q_proj") else n_kv if name.endswith("k_proj") else 0
+        if name.endswith(".experts"):  # merged: one [out, in] matrix per expert
+            layer, matrix = name.removesuffix(".experts").rsplit(".", 1)
+            for e in range(weight.shape[0]):
+                tensors[f"{layer}.experts.{e}.{matrix}"] = weight[e]
+            continue
+        if name.endswith("shared_gate"):
+            weight = weight.reshape(1, -1)  # a [1, hidden] projection, however the file shaped it
+        heads = 0
+        if permuted:
+            heads = n_heads if name.endswith("q_proj") else n_kv if name.endswith("k_proj") else 0
         if heads:
             weight = unpermute_rope_rows(weight, heads)
         tensors[name] = weight
@@ -112,17 +148,25 @@ def _open(path: str):
 
 
 def _our_name(gguf_name: str) -> str | None:
+    """Our name for a GGUF tensor; merged experts come back as `layers.{i}.{matrix}.experts`
+    (split by the caller). None for tensors recomputed (rope_freqs) or not ours."""
     if gguf_name == "token_embd.weight":
         return "embed_tokens"
     if gguf_name == "output_norm.weight":
         return "norm"
     if gguf_name == "output.weight":
         return "lm_head"
-    if gguf_name.startswith("blk."):
-        _, layer, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"layers.{layer}.{_LAYER_NAMES[rest]}"
-    return None  # e.g. rope_freqs: recomputed from the theta
+    if not gguf_name.startswith("blk."):
+        return None
+    _, layer, rest = gguf_name.split(".", 2)
+    if rest in _LAYER_NAMES:
+        return f"layers.{layer}.{_LAYER_NAMES[rest]}"
+    if rest in _MERGED_EXPERTS:
+        return f"layers.{layer}.{_MERGED_EXPERTS[rest]}.experts"
+    matrix, _, expert = rest.removesuffix(".weight").partition(".")
+    if matrix in _SPLIT_EXPERTS and expert.isdigit():
+        return f"layers.{layer}.experts.{expert}.{_SPLIT_EXPERTS[matrix]}"
+    return None
 
 
 def _check_complete(path: str, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ and every avoided indirection is time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -16,13 +17,13 @@ import torch
 
 from kernels.attention_kernel import AttentionKernel
 from kernels.attention_metadata import AttentionMetadata
+from kernels.moe_experts import activate
 from kernels.torch_attention import TorchPagedAttention
 from shared.kvcache.pool import KVLayout, KVPool
 from shared.model.embedding import TokenEmbedding
 from shared.model.gguf_file import Checkpoint
 from shared.model.layers import DecoderLayer, Matrix, norm_weight, rms_norm, torch_layers
 from shared.model.linear import Linear
-from shared.model.moe import gated_mlp
 from shared.model.native_step import NativeStep
 from shared.model.rope import RotaryEmbedding
 from shared.modelfile.config import ModelConfig
@@ -32,6 +33,14 @@ ModelFormat = Literal["fp32", "bf16", "int8", "int4", "native", "native-a8"]
 MODEL_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "native", "native-a8")
 # The native step's builds, by how their matrices take activations (native_step.ACTIVATIONS).
 NATIVE_FORMATS: dict[str, str] = {"native": "fp32", "native-a8": "int8"}
+# (q [n, hq, d], k and v [n, hkv, d], layer index, its window) -> [n, hq, d]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int | None], torch.Tensor]
+# (a matrix or sparse MLP, rows) -> its output rows
+LinearCall = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _call(matrix: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    return matrix(rows)
 
 
 class NativeUnavailable(RuntimeError):
@@ -189,23 +198,42 @@ class LlamaModel:
         fmt: str | None = None,
     ) -> torch.Tensor:
         """input_ids [tokens] -> final-norm hidden states [tokens, hidden], op by op in torch
-        format `fmt` (default: the prompt path's)."""
-        cfg = self.config
+        format `fmt` (default: the prompt path's), attending over the paged cache."""
         layers = self._torch[fmt or self.torch_path(decode=False) or next(iter(self._torch))][0]
+        self.attention.prepare(meta)
+
+        def attend(q, k, v, index: int, window: int | None) -> torch.Tensor:
+            key, value = kv.key_cache(index), kv.value_cache(index)
+            return self.attention.forward(q, k, v, key, value, meta, self.scale, window)
+
+        return self.hidden_states(input_ids, meta.positions(), layers, attend)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layers: list[DecoderLayer],
+        attend: Attend,
+        linear: LinearCall | None = None,
+    ) -> torch.Tensor:
+        """The decoder every family runs: input_ids [tokens] at `positions` -> final-norm
+        hidden states [tokens, hidden]. The caller supplies attention (the paged cache when
+        serving, a dense mask when scoring) and, optionally, how a matrix is applied to rows
+        (the quality gate caps the rows per call to reproduce serving-step numerics)."""
+        cfg = self.config
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        positions = meta.positions()
         cos, sin = self.rope.tables(positions)
         local = self.local_rope.tables(positions) if self.local_rope is not None else None
-        self.attention.prepare(meta)
         x = self.embed_tokens[input_ids]
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         n = x.shape[0]
-        eps = cfg.rms_norm_eps
+        eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+        apply = linear or _call
         for index, layer in enumerate(layers):
             window = cfg.window(index)
             h = rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h)
+            qkv = apply(layer.qkv, h)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
@@ -222,19 +250,18 @@ class LlamaModel:
             qk = RotaryEmbedding.apply(qk, c, s)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-            attn = self.attention.forward(
-                q, k, v, kv.key_cache(index), kv.value_cache(index), meta, self.scale, window
-            )
-            out = layer.o_proj(attn.reshape(n, hq * d))
+            attn = attend(q, k, v, index, window).reshape(n, hq * d)
+            out = apply(layer.o_proj, attn)
             if layer.attn_out_norm is not None:
                 out = rms_norm(out, layer.attn_out_norm, eps)
             x = x + out
             h = rms_norm(x, layer.post_attention_norm, eps)
             if layer.sparse is not None:
-                out = layer.sparse(h)
+                out = apply(layer.sparse, h)
             else:
                 assert layer.gate_up is not None and layer.down is not None
-                out = gated_mlp(h, layer.gate_up, layer.down, cfg.intermediate_size, cfg.activation)
+                gu = apply(layer.gate_up, h)
+                out = apply(layer.down, activate(gu[:, :inter], cfg.activation) * gu[:, inter:])
             if layer.mlp_out_norm is not None:
                 out = rms_norm(out, layer.mlp_out_norm, eps)
             x = x + out

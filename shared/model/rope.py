@@ -18,6 +18,12 @@ def inverse_frequencies(
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "factors":
+        if len(scaling.freq_factors) != len(inv_freq):
+            raise ValueError(
+                f"{len(scaling.freq_factors)} RoPE frequency factors for {len(inv_freq)} pairs"
+            )
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float64)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between
     # blended smoothly (Llama 3.1's context extension).
     old = scaling.original_max_position

@@ -11,6 +11,7 @@ prompts of a few dozen tokens run past them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,12 +29,11 @@ _COMMON = dict(
 )
 
 
-def _config(family: str):
-    import transformers as tf
-
-    if family == "llama3":
-        return tf.LlamaConfig(
-            **_COMMON,
+# Per family: the transformers config class and what it sets beyond _COMMON.
+_FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama3": (
+        "LlamaConfig",
+        dict(
             tie_word_embeddings=False,
             rope_parameters={
                 "rope_type": "llama3",
@@ -43,16 +43,14 @@ def _config(family: str):
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 32,
             },
-        )
-    if family == "qwen2":
-        return tf.Qwen2Config(**_COMMON, tie_word_embeddings=True)
-    if family == "qwen3":
-        return tf.Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
-    if family == "mistral":
-        return tf.MistralConfig(**_COMMON, sliding_window=WINDOW)
-    if family == "gemma3":
-        return tf.Gemma3TextConfig(
-            **_COMMON,
+        ),
+    ),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
             head_dim=16,
             sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"],
@@ -62,41 +60,52 @@ def _config(family: str):
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
-        )
-    if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **_COMMON,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
             head_dim=16,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             norm_topk_prob=True,
             mlp_only_layers=[1],
-        )
-    if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(
-            **_COMMON,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             norm_topk_prob=False,
-        )
-    if family == "mixtral":
-        return tf.MixtralConfig(
-            **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW
-        )
-    raise KeyError(family)
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+}
+
+
+def _config(family: str, **overrides):
+    import transformers as tf
+
+    cls, extra = _FAMILY_CONFIGS[family]
+    return getattr(tf, cls)(**{**_COMMON, **extra, **overrides})
 
 
 FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
-def reference_model(family: str, seed: int = 0):
-    """The transformers model (fp32, eager attention) with redrawn weights."""
+def reference_model(family: str, seed: int = 0, **overrides):
+    """The transformers model (fp32, eager attention) with redrawn weights; `overrides` are
+    config keys replacing the family's defaults."""
     import transformers as tf
 
-    config = _config(family)
+    config = _config(family, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -114,9 +123,9 @@ def reference_model(family: str, seed: int = 0):
     return model.eval()
 
 
-def save_family(family: str, folder: Path, seed: int = 0):
+def save_family(family: str, folder: Path, seed: int = 0, **overrides):
     """Write the family's tiny checkpoint to `folder`; returns the reference model."""
-    model = reference_model(family, seed)
+    model = reference_model(family, seed, **overrides)
     model.save_pretrained(str(folder))
     return model
 
@@ -132,3 +141,29 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         tokens.append(int(reference_logits(model, tokens)[-1].argmax()))
     return tokens[len(prompt) :]
+
+
+# The tokenizer's first character: CJK ideographs, so that every token is one valid character.
+_FIRST_CHAR = 0x4E00
+
+
+def save_char_tokenizer(folder: Path) -> None:
+    """A tokenizer.json for serving a tiny model end to end: token i is the one character
+    chr(0x4E00 + i), so any id sequence is exactly a text and back (no byte-level pieces
+    that decode to invalid UTF-8 on their own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(_FIRST_CHAR + i): i for i in range(VOCAB)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    # An end-of-text token, as every served tokenizer has (constrained decoding needs one):
+    # the last id, which replies with `ignore_eos` run past.
+    config = {"eos_token": chr(_FIRST_CHAR + VOCAB - 1)}
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def char_token_ids(text: str) -> list[int]:
+    """The ids save_char_tokenizer's tokenizer gives `text`."""
+    return [ord(c) - _FIRST_CHAR for c in text]

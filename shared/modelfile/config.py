@@ -15,14 +15,17 @@ Activation = Literal["silu", "gelu_tanh"]
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """A RoPE frequency rescaling: `linear` (positions / factor) or `llama3` (Llama 3.1's
-    wavelength-dependent blend). Anything else is refused where the config is read."""
+    """A RoPE frequency rescaling: `linear` (positions / factor), `llama3` (Llama 3.1's
+    wavelength-dependent blend), or `factors`: one divisor per rotated pair, as a GGUF's
+    `rope_freqs` tensor stores Llama 3.1's blend. Anything else is refused where the config
+    is read."""
 
-    kind: Literal["linear", "llama3"]
-    factor: float
+    kind: Literal["linear", "llama3", "factors"]
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

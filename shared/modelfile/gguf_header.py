@@ -84,6 +84,7 @@ class GGUFHeader:
     version: int
     fields: dict[str, Any]  # key -> str | int | float | bool | list (arrays, nested as lists)
     tensors: tuple[TensorInfo, ...]
+    byte_order: str = "<"  # struct's prefix for the file's numbers
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -140,7 +141,7 @@ class _Parser:
             raise GGUFFormatError(f"{self.path}: general.alignment {alignment!r} is invalid")
         start = -(-self.pos // alignment) * alignment
         tensors = tuple(self._place(start, *info) for info in infos)
-        return GGUFHeader(self.path, version, fields, tensors)
+        return GGUFHeader(self.path, version, fields, tensors, self.order)
 
     def _unpack(self, fmt: str) -> tuple[Any, ...]:
         values = struct.unpack_from(self.order + fmt, self.data, self.pos)

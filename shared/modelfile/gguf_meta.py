@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 
 from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.families.gguf_params import GGUFParams
+from shared.modelfile.families.registry import family_for_gguf
 from shared.modelfile.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TENSOR_TYPES = (
     "F32",
     "F16",
@@ -48,14 +49,11 @@ def _require(header: GGUFHeader, key: str):
 
 
 def config_from_header(header: GGUFHeader) -> ModelConfig:
-    """The hyper-parameters the header describes; refuses what we cannot run."""
+    """The hyper-parameters the header describes, read by the family its
+    `general.architecture` names; refuses what we cannot run."""
     path = header.path
     arch = _require(header, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(
-            path,
-            f"unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-        )
+    family = family_for_gguf(arch, path)
     for t in header.tensors:
         if t.type_name not in SUPPORTED_TENSOR_TYPES:
             raise ModelFileError(
@@ -63,36 +61,8 @@ def config_from_header(header: GGUFHeader) -> ModelConfig:
                 f"tensor '{t.name}' has unsupported type {t.type_name} "
                 f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})",
             )
-    n_heads = int(_require(header, f"{arch}.attention.head_count"))
-    n_kv = int(header.get(f"{arch}.attention.head_count_kv") or n_heads)
-    hidden = int(_require(header, f"{arch}.embedding_length"))
-    names = {t.name for t in header.tensors}
-    scaling = header.get(f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in names or scaling not in (None, "none"):
-        # Llama 3.1+ files carry per-frequency factors; recomputing RoPE from the theta alone
-        # would serve a silently different model.
-        raise ModelFileError(
-            path, f"unsupported config feature: RoPE scaling ({scaling or 'rope_freqs tensor'})"
-        )
-    vocab = header.get(f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = header.get("tokenizer.ggml.tokens")
-        embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-        vocab = len(tokens) if tokens is not None else embd.shape[-1] if embd else None
-    if vocab is None:
-        raise ModelFileError(path, "cannot tell the vocabulary size")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_require(header, f"{arch}.feed_forward_length")),
-        num_layers=int(_require(header, f"{arch}.block_count")),
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        rope_theta=float(header.get(f"{arch}.rope.freq_base") or 10000.0),
-        rms_norm_eps=float(_require(header, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position=int(header.get(f"{arch}.context_length") or 2048),
-        tie_embeddings="output.weight" not in names,
-    )
+    assert family.config_from_gguf is not None  # the registry lists only families that read GGUF
+    return family.config_from_gguf(GGUFParams(header, arch))
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:

@@ -14,7 +14,7 @@ from importlib import resources
 import torch
 
 from shared.model.llama import LlamaModel
-from shared.quality.forward import BranchedSequence, apply_linear, forward_hidden, length_batches
+from shared.quality.forward import BranchedSequence, forward_hidden, head_logits, length_batches
 from shared.quality.text_encoder import TextEncoder
 
 AGREEMENT_FILE = "agreement_texts.txt"
@@ -54,7 +54,7 @@ def top1_predictions(
     for batch in length_batches(seqs, BATCH_ROWS):
         hidden = forward_hidden(model, [seqs[i] for i in batch], max_linear_rows)
         for i, h in zip(batch, hidden, strict=True):
-            out[i] = apply_linear(model.lm_head, h, max_linear_rows).argmax(-1)
+            out[i] = head_logits(model, h, max_linear_rows).argmax(-1)
     return [t for t in out if t is not None]
 
 

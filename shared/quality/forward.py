@@ -12,16 +12,13 @@ cheap. Batches are formed from sequences sorted by length, which keeps that padd
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from shared.model.layers import rms_norm
-from shared.model.linear import Linear
 from shared.model.llama import LlamaModel
-from shared.model.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -64,6 +61,13 @@ class _Packed:
     mask: torch.Tensor  # [batch, 1, max_len, max_len] bool
     batch: int
     max_len: int
+    grid_positions: torch.Tensor  # [batch, max_len] int64, 0 in padding slots
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` for a sliding layer: a row also sees only the `window` positions up to its
+        own (a branch's positions continue the trunk's, so distances hold across the two)."""
+        pos = self.grid_positions
+        return self.mask & (pos[:, None, :, None] - pos[:, None, None, :] < window)
 
 
 def _pack(seqs: Sequence[BranchedSequence]) -> _Packed:
@@ -74,11 +78,13 @@ def _pack(seqs: Sequence[BranchedSequence]) -> _Packed:
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    grid_positions = torch.zeros(len(seqs), max_len, dtype=torch.long)
     for b, s in enumerate(seqs):
         n = s.num_rows
         mask[b, 0, :n, :n] = s.attention_mask()
         tokens += [*s.trunk, *(t for branch in s.branches for t in branch)]
         positions += s.positions()
+        grid_positions[b, :n] = torch.tensor(s.positions())
         slots += range(b * max_len, b * max_len + n)
     return _Packed(
         tokens=torch.tensor(tokens),
@@ -87,10 +93,13 @@ def _pack(seqs: Sequence[BranchedSequence]) -> _Packed:
         mask=mask,
         batch=len(seqs),
         max_len=max_len,
+        grid_positions=grid_positions,
     )
 
 
-def apply_linear(linear: Linear, x: torch.Tensor, max_rows: int | None) -> torch.Tensor:
+def apply_linear(
+    linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, max_rows: int | None
+) -> torch.Tensor:
     """linear(x), fed at most `max_rows` rows per call when set.
 
     Row-capped calls reproduce the numerics of small serving steps: the `auto` format switches
@@ -101,7 +110,9 @@ def apply_linear(linear: Linear, x: torch.Tensor, max_rows: int | None) -> torch
     return torch.cat([linear(chunk) for chunk in x.split(max_rows)])
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Packed) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, p: _Packed
+) -> torch.Tensor:
     """q [rows, hq, d], k/v [rows, hq, d] (GQA already expanded) -> [rows, hq * d]."""
 
     def padded(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +120,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Packed) -> to
         grid[p.slots] = x
         return grid.view(p.batch, p.max_len, *x.shape[1:]).transpose(1, 2)  # [B, h, T, d]
 
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=p.mask)
+    out = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), attn_mask=mask, scale=scale
+    )
     return out.transpose(1, 2).reshape(p.batch * p.max_len, -1)[p.slots]
 
 
@@ -117,32 +130,32 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _Packed) -> to
 def forward_hidden(
     model: LlamaModel, seqs: Sequence[BranchedSequence], max_linear_rows: int | None = None
 ) -> list[torch.Tensor]:
-    """Final-norm hidden states, one [num_rows, hidden] tensor per sequence."""
-    cfg = model.config
-    if not cfg.is_plain_llama:
-        # This dense re-implementation spells out Llama's layer only; a family's extras
-        # (biases, windows, experts) would be silently skipped.
-        raise ValueError(f"the dense forward runs Llama's layout only, not '{cfg.architecture}'")
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    """Final-norm hidden states, one [num_rows, hidden] tensor per sequence: the model's own
+    decoder (every family's extras included), with dense masked attention over the batch."""
+    group = model.config.gqa_group
     p = _pack(seqs)
-    n = p.tokens.shape[0]
-    cos, sin = model.rope.tables(p.positions)
-    x = model.embed_tokens[p.tokens]
-    for layer in model.layers:
-        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        qkv = apply_linear(layer.qkv, h, max_linear_rows)
-        q = RotaryEmbedding.apply(qkv[:, : hq * d].view(n, hq, d), cos, sin)
-        k = RotaryEmbedding.apply(qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d), cos, sin)
-        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
-        k = k.repeat_interleave(cfg.gqa_group, dim=1)
-        v = v.repeat_interleave(cfg.gqa_group, dim=1)
-        x = x + apply_linear(layer.o_proj, _attend(q, k, v, p), max_linear_rows)
-        h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
-        gu = apply_linear(layer.gate_up, h, max_linear_rows)
-        inter = cfg.intermediate_size
-        x = x + apply_linear(layer.down, F.silu(gu[:, :inter]) * gu[:, inter:], max_linear_rows)
-    hidden = rms_norm(x, model.norm, cfg.rms_norm_eps)
+    masks: dict[int, torch.Tensor] = {}
+
+    def attend(q, k, v, index: int, window: int | None) -> torch.Tensor:
+        if window is not None and window not in masks:
+            masks[window] = p.window_mask(window)
+        mask = p.mask if window is None else masks[window]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        return _attend(q, k, v, mask, model.scale, p)
+
+    def linear(matrix, rows: torch.Tensor) -> torch.Tensor:
+        return apply_linear(matrix, rows, max_linear_rows)
+
+    hidden = model.hidden_states(p.tokens, p.positions, model.layers, attend, linear)
     return list(hidden.split([s.num_rows for s in seqs]))
+
+
+def head_logits(model: LlamaModel, hidden: torch.Tensor, max_rows: int | None) -> torch.Tensor:
+    """Logits as the served model computes them: its head, then its soft-cap (Gemma)."""
+    logits = apply_linear(model.lm_head, hidden, max_rows)
+    cap = model.config.final_softcap
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def length_batches(seqs: Sequence[BranchedSequence], max_rows: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from importlib import resources
 import torch
 
 from shared.model.llama import LlamaModel
-from shared.quality.forward import BranchedSequence, apply_linear, forward_hidden, length_batches
+from shared.quality.forward import BranchedSequence, forward_hidden, head_logits, length_batches
 from shared.quality.text_encoder import TextEncoder
 
 PIQA_FILE = "piqa_valid_labeled.jsonl"
@@ -123,7 +123,7 @@ def _batch_loglikelihoods(
         offset += seq.num_rows
     # One lm_head call per batch: the 49k-row head matrix is read once, not once per item.
     picked_hidden = torch.cat(hidden)[rows]
-    logprobs = apply_linear(model.lm_head, picked_hidden, max_linear_rows).log_softmax(-1)
+    logprobs = head_logits(model, picked_hidden, max_linear_rows).log_softmax(-1)
     token_lp = logprobs[torch.arange(len(rows)), torch.tensor(targets)].double()
     sums = torch.zeros(len(seqs) * width, dtype=torch.float64)
     sums.index_add_(0, torch.tensor(segments, dtype=torch.long), token_lp)

@@ -83,10 +83,11 @@ def test_hf_folder_without_config(tmp_path):
         read_checkpoint(tmp_path)
 
 
-def test_llama_3_rope_factors_in_a_gguf_are_refused(tmp_path):
-    """A Llama 3.1+ GGUF carries its RoPE scaling as a `rope_freqs` tensor: recomputing RoPE
-    from the theta alone would be a different model, so it is refused by name."""
+def test_rope_factors_that_do_not_fit_the_heads_are_refused(tmp_path):
+    """A Llama 3.1+ GGUF carries its RoPE blend as a `rope_freqs` tensor, one divisor per
+    rotated pair (served: tests/unit/test_families_gguf.py); a tensor of another length
+    describes some other model, so it is refused rather than broadcast."""
     path = tmp_path / "llama31.gguf"
-    _write_gguf(path, "llama", extra={"rope_freqs.weight": np.ones(2, dtype=np.float32)})
-    with pytest.raises(ModelFileError, match="RoPE scaling"):
+    _write_gguf(path, "llama", extra={"rope_freqs.weight": np.ones(3, dtype=np.float32)})
+    with pytest.raises(ModelFileError, match="rope_freqs has 3 factors for 2 rotated pairs"):
         read_gguf(path)

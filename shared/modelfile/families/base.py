@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.modelfile.config import ModelConfig, ModelFileError, MoEConfig, RopeScaling
+from shared.modelfile.families.gguf_params import GGUFParams
 
 # Keys whose presence means a feature no family here implements.
 _REFUSED_KEYS = {
@@ -51,7 +52,9 @@ class Family:
     layer_names: dict[str, str]
     # Expert tensors: HF name pattern with `{e}` -> our per-expert suffix.
     expert_names: dict[str, str] = field(default_factory=dict)
+    # The GGUF `general.architecture` names this family reads, and how (None: none).
     gguf_architectures: tuple[str, ...] = ()
+    config_from_gguf: Callable[[GGUFParams], ModelConfig] | None = None
 
     def our_name(self, hf_name: str) -> str | None:
         if hf_name == "lm_head.weight":

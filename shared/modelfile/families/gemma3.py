@@ -15,6 +15,15 @@ from shared.modelfile.families.base import (
     require_activation,
     rope_settings,
 )
+from shared.modelfile.families.gguf_params import GGUFParams, gguf_base_config, rope_scaling
+
+# What llama.cpp hard-codes for Gemma 3 rather than reading from the file: every sixth layer
+# is global, the sliding layers rotate with theta 10000 (unscaled), and attention is scaled
+# by head_dim except for the 27B model (62 layers), whose query_pre_attn_scalar is
+# hidden / heads.
+_GGUF_PATTERN = 6
+_GGUF_LOCAL_THETA = 10000.0
+_GGUF_27B_LAYERS = 62
 
 # Gemma's `post_attention_layernorm` normalises the attention *output*; its pre-MLP norm is
 # `pre_feedforward_layernorm` (Llama's `post_attention_layernorm` role).
@@ -74,9 +83,50 @@ def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:
     )
 
 
+def _gguf_windows(p: GGUFParams, window: int) -> tuple[int | None, ...]:
+    """Per layer window: a `sliding_window_pattern` key (a period, or a flag per layer,
+    True where the layer slides) where the file has one, else llama.cpp's period of 6."""
+    pattern = p.get("attention.sliding_window_pattern", _GGUF_PATTERN)
+    n = p.num_layers
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ModelFileError(p.path, f"{len(pattern)} sliding-window flags for {n} layers")
+        return tuple(window if slides else None for slides in pattern)
+    period = int(pattern)
+    return tuple(window if period and i % period < period - 1 else None for i in range(n))
+
+
+def config_from_gguf(p: GGUFParams) -> ModelConfig:
+    """llama.cpp's converter stores Gemma's norms with the 1 already added (so no offset
+    here) and keeps the interleaving, query scale and local theta as conventions."""
+    if p.get("attn_logit_softcapping") is not None:
+        raise p.unsupported("attention logit soft-capping")
+    window = int(p.require("attention.sliding_window"))
+    hidden, heads = int(p.require("embedding_length")), int(p.require("attention.head_count"))
+    head_dim = int(p.require("attention.key_length"))
+    query_scale = hidden / heads if p.num_layers == _GGUF_27B_LAYERS else head_dim
+    cap = p.get("final_logit_softcapping")
+    return gguf_base_config(
+        p,
+        "gemma3",
+        rope_theta=float(p.get("rope.freq_base", 1_000_000.0)),
+        rope_scaling=rope_scaling(p, head_dim),
+        local_rope_theta=float(p.get("rope.freq_base_swa", _GGUF_LOCAL_THETA)),
+        layer_windows=_gguf_windows(p, window),
+        qk_norm=True,
+        activation="gelu_tanh",
+        embed_scale=hidden**0.5,
+        query_scale=float(query_scale),
+        final_softcap=float(cap) if cap is not None else None,
+        sandwich_norms=True,
+    )
+
+
 FAMILY = Family(
     name="gemma3",
     hf_architectures=("Gemma3ForCausalLM",),
     config_from_hf=config_from_hf,
     layer_names=_NAMES,
+    gguf_architectures=("gemma3",),
+    config_from_gguf=config_from_gguf,
 )

@@ -12,6 +12,11 @@ from shared.modelfile.families.base import (
     base_config,
     require_activation,
 )
+from shared.modelfile.families.gguf_params import (
+    GGUFParams,
+    gguf_base_config,
+    refuse_sliding_window,
+)
 
 
 def qwen_windows(raw: dict[str, Any]) -> tuple[int | None, ...]:
@@ -34,9 +39,16 @@ def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:
     return base_config(raw, path, "qwen2", qkv_bias=True, layer_windows=qwen_windows(raw))
 
 
+def config_from_gguf(p: GGUFParams) -> ModelConfig:
+    refuse_sliding_window(p)
+    return gguf_base_config(p, "qwen2")
+
+
 FAMILY = Family(
     name="qwen2",
     hf_architectures=("Qwen2ForCausalLM",),
     config_from_hf=config_from_hf,
     layer_names={**LLAMA_LAYER_NAMES, **QKV_BIAS_NAMES},
+    gguf_architectures=("qwen2",),
+    config_from_gguf=config_from_gguf,
 )

@@ -15,6 +15,12 @@ from shared.modelfile.families.base import (
     moe_settings,
     require_activation,
 )
+from shared.modelfile.families.gguf_params import (
+    GGUFParams,
+    gguf_base_config,
+    moe_from_gguf,
+    refuse_sliding_window,
+)
 from shared.modelfile.families.mistral import sliding_everywhere
 from shared.modelfile.families.qwen2 import qwen_windows
 
@@ -55,12 +61,26 @@ def qwen2_moe_config(raw: dict[str, Any], path: str) -> ModelConfig:
     )
 
 
+def qwen3_moe_gguf(p: GGUFParams) -> ModelConfig:
+    # llama.cpp renormalises Qwen 3 MoE's top-k weights (every released config sets
+    # norm_topk_prob) and not Qwen 2 MoE's; an `expert_weights_norm` key says otherwise.
+    refuse_sliding_window(p)
+    return gguf_base_config(p, "qwen3_moe", qk_norm=True, moe=moe_from_gguf(p, normalise=True))
+
+
+def qwen2_moe_gguf(p: GGUFParams) -> ModelConfig:
+    refuse_sliding_window(p)
+    return gguf_base_config(p, "qwen2_moe", moe=moe_from_gguf(p, normalise=False))
+
+
 QWEN3_MOE = Family(
     name="qwen3_moe",
     hf_architectures=("Qwen3MoeForCausalLM",),
     config_from_hf=qwen3_moe_config,
     layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, **_MOE_NAMES},
     expert_names=_EXPERT_NAMES,
+    gguf_architectures=("qwen3moe",),
+    config_from_gguf=qwen3_moe_gguf,
 )
 QWEN2_MOE = Family(
     name="qwen2_moe",
@@ -68,4 +88,6 @@ QWEN2_MOE = Family(
     config_from_hf=qwen2_moe_config,
     layer_names={**LLAMA_LAYER_NAMES, **QKV_BIAS_NAMES, **_MOE_NAMES},
     expert_names=_EXPERT_NAMES,
+    gguf_architectures=("qwen2moe",),
+    config_from_gguf=qwen2_moe_gguf,
 )

@@ -20,6 +20,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 _BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
 _BY_NAME = {f.name: f for f in FAMILIES}
+_BY_GGUF = {arch: f for f in FAMILIES for arch in f.gguf_architectures}
 # Older folders name no `architectures`; their `model_type` still says which layout it is.
 _BY_MODEL_TYPE = {"llama": llama.FAMILY, "mistral": mistral.FAMILY, "qwen2": qwen2.FAMILY}
 
@@ -38,3 +39,11 @@ def family_for_hf(raw: dict[str, Any], path: str) -> Family:
     named = ", ".join(architectures) or f"model_type '{raw.get('model_type')}'"
     supported = ", ".join(sorted(_BY_HF))
     raise ModelFileError(path, f"unsupported architecture {named} (supported: {supported})")
+
+
+def family_for_gguf(arch: str, path: str) -> Family:
+    """The family reading a GGUF of `general.architecture` `arch`; refuses others by name."""
+    if arch not in _BY_GGUF:
+        supported = ", ".join(sorted(_BY_GGUF))
+        raise ModelFileError(path, f"unsupported architecture '{arch}' (supported: {supported})")
+    return _BY_GGUF[arch]
