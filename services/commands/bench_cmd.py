@@ -121,14 +121,17 @@ def run_engine(args: argparse.Namespace) -> int:
     from services.bench.report import machine_info, print_table, save_outputs
 
     threads = args.threads or 2
-    result = engine_bench.run(
-        args.weights,
-        args.model,
-        threads,
-        quick=args.quick,
-        llama_bench=args.llama_bench,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    try:
+        result = engine_bench.run(
+            args.weights,
+            args.model,
+            threads,
+            quick=args.quick,
+            llama_bench=args.llama_bench,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    except ValueError as exc:  # a model file, a window too small, a refused request
+        return fail(f"bench engine: {exc}")
     result["machine"] = machine_info()
     print_table(
         f"splitserve bench engine (weights={args.weights}, threads={threads}, "

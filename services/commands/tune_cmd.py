@@ -99,7 +99,11 @@ def add_commands(sub) -> None:
         help="prefix cache per prefill replica (default: the profile's KV capacity)",
     )
     tune.add_argument("--decode-max-batch", type=positive_int, default=64)
-    tune.add_argument("--model-id", default="SmolLM2-135M-Instruct", help="for the values")
+    tune.add_argument(
+        "--model-id",
+        default=None,
+        help="the pool's key in the Helm values (default: the profile's model)",
+    )
     tune.add_argument(
         "--validate",
         action="store_true",

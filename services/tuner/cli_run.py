@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,7 @@ class TuneOptions:
     router: RouterPolicy
     cache_tokens: int | None
     decode_max_batch: int
-    model_id: str
+    model_id: str | None
     validate: bool
     validate_requests: int
     json: str | None
@@ -112,6 +113,18 @@ def slo_priorities(options: TuneOptions) -> list[int] | None:
     return [TIER_PRIORITY[t] for t in LATENCY_TIERS]
 
 
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# A GGUF file's quantisation suffix: the pool serves the model, whatever file a profile read.
+_QUANT_SUFFIX = re.compile(r"(?:\.(?:I?Q\d\w*|F16|F32|BF16))?(?:\.gguf)?$", re.IGNORECASE)
+
+
+def pool_model_id(meta: dict) -> str:
+    """The Helm values' pool key for the profile's model: its name without the organisation
+    (the chart's model ids are bare names) or a GGUF quantisation suffix."""
+    model = str(meta.get("model") or "").rsplit("/", 1)[-1]
+    return _QUANT_SUFFIX.sub("", model) or DEFAULT_MODEL_ID
+
+
 def run_tune(options: TuneOptions) -> int:
     from services.bench.report import write_json
 
@@ -145,8 +158,9 @@ def run_tune(options: TuneOptions) -> int:
     )
     result = tune(evaluator, options.max_replicas)
     cost = fleet_cost(trace, profile, result.best.replicas, options.gpu_hour_usd)
-    print_report(result, options.model_id, basis, cost)
-    report = tune_json(result, options.model_id)
+    model_id = options.model_id or pool_model_id(profile.meta)
+    print_report(result, model_id, basis, cost)
+    report = tune_json(result, model_id)
     report.update(
         basis=basis,
         cost=cost,

@@ -83,8 +83,16 @@ def _slice(checkpoint: Checkpoint) -> Checkpoint:
     layers = min(SLICE_LAYERS, cfg.num_layers)
     # Per-layer switches are cut with the layers (a slice of Gemma keeps a sliding layer).
     moe = cfg.moe and dataclasses.replace(cfg.moe, sparse_layers=cfg.moe.sparse_layers[:layers])
+    # The timed calls run to DECODE_CONTEXT + a chunk whatever the model's window: a model
+    # with a shorter one is timed on rotary tables long enough for them (the cost per token
+    # does not depend on the position).
+    positions = max(cfg.max_position, max(PREFILL_CHUNKS) + DECODE_CONTEXT + 1)
     config = dataclasses.replace(
-        cfg, num_layers=layers, layer_windows=cfg.layer_windows[:layers], moe=moe
+        cfg,
+        num_layers=layers,
+        layer_windows=cfg.layer_windows[:layers],
+        moe=moe,
+        max_position=positions,
     )
     return dataclasses.replace(checkpoint, config=config)
 

@@ -174,3 +174,19 @@ def test_tier_mixes_parse_and_assign_priorities_in_proportion():
         parse_tier_mix("gold=1")
     with pytest.raises(ValueError, match="sum to a positive"):
         parse_tier_mix("batch=0")
+
+
+@pytest.mark.parametrize(
+    "model, pool",
+    [
+        ("meta-llama/Llama-3.1-70B-Instruct", "Llama-3.1-70B-Instruct"),
+        ("Qwen/Qwen3-30B-A3B", "Qwen3-30B-A3B"),
+        ("SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct"),
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+        ("", "SmolLM2-135M-Instruct"),
+    ],
+)
+def test_the_values_name_the_pool_after_the_profiles_model(model, pool):
+    from services.tuner.cli_run import pool_model_id
+
+    assert pool_model_id({"model": model}) == pool
