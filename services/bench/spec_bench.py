@@ -155,7 +155,7 @@ def run(
         log(f"[bench] {replayed[0]} replayed turns logged to {log_path} in {replayed[1]:.0f} s")
         head = train_bench_head(
             checkpoint, tokenizer, log_path, folder / f"{Path(path).stem}.head.pt",
-            head_minutes, replayed, log,
+            head_minutes, replayed, log, model,
         )  # fmt: skip
         head_path, head_info = str(head.path), head.as_json()
     del replay

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shared.engine.engine import Engine
 from shared.model.gguf_file import Checkpoint
+from shared.model.llama import LlamaModel
 from shared.sampling.params import SamplingParams
 from shared.speculative.draft_data import DEFAULT_PROMPTS, load_prompts
 from shared.speculative.head_train import HeadTrainConfig, HeadTrainReport, train_head
@@ -81,6 +82,7 @@ def train_bench_head(
     minutes: float,
     replay: tuple[int, float],
     log: Callable[[str], None],
+    serving: LlamaModel | None = None,
 ) -> BenchHead:
     turns = read_training_log(log_path)
     report = train_head(
@@ -91,5 +93,6 @@ def train_bench_head(
         tokenizer.stop_token_ids,
         HeadTrainConfig(max_minutes=minutes),
         log,
+        serving,
     )
     return BenchHead(report.path, log_path, replay[0], replay[1], report)

@@ -169,7 +169,9 @@ class Supervisor:
         # Counted once the new process is in the group: whoever sees the count sees it.
         watch.restarts += 1
         watch.restart_at = None
-        watch.started_at = now
+        # From when the new process exists: a fork that took long on a loaded machine must
+        # not count towards the "alive long enough to be ready" time of a child that dies.
+        watch.started_at = max(now, time.monotonic())
 
     def _give_up(self, failure: ServiceGaveUp) -> None:
         self.failure = failure

@@ -49,8 +49,15 @@ class HeadDraftProposer:
         target_vocab_size: int,
         seed: int = 0,
         version: str = "untracked",
+        min_chain_confidence: float = 0.0,
     ):
         self.head = head.eval().requires_grad_(False)
+        # A greedy row's chain ends before the guess at which the product of the head's own
+        # top probabilities (its estimate that the chain so far is accepted, as in EAGLE-2)
+        # falls below this: a guess the head doubts costs a verify row and a head step and
+        # is seldom kept. 0 drafts the full chain. Sampled rows always draft the full chain
+        # (their q must stay the head's distribution for every proposed position).
+        self.min_chain_confidence = min_chain_confidence
         self.version = version  # the head file's content hash (stats, /metrics)
         self.vocab_ids = vocab_ids.long()  # head id -> target id
         self.target_vocab_size = target_vocab_size
@@ -147,16 +154,26 @@ class HeadDraftProposer:
         f = out[rows, torch.tensor(lens) - 1]
         pos = torch.tensor([s.known for s in states])
         want_q = [sampling[i] for i in active]
+        lengths = [r.max_tokens for r in reqs]
+        confidence = torch.ones(len(reqs))
         tokens, probs = [], []
         for step in range(steps):
             logits = self.head.logits(f)
             q = torch.softmax(logits, dim=-1)
-            choice = logits.argmax(-1)
+            top, choice = q.max(-1)
             if any(want_q):
                 drawn = torch.multinomial(q, 1, generator=self._generator)[:, 0]
                 choice = torch.where(torch.tensor(want_q), drawn, choice)
             tokens.append(choice)
             probs.append(q)
+            if self.min_chain_confidence > 0.0:
+                confidence = confidence * top
+                for row in range(len(reqs)):
+                    doubt = float(confidence[row]) < self.min_chain_confidence
+                    if doubt and not want_q[row] and lengths[row] > step:
+                        lengths[row] = step
+                if all(n <= step + 1 for n in lengths):
+                    break
             if step + 1 < steps:
                 ids = self.vocab_ids[choice]
                 f = self.head(f[:, None], ids[:, None], pos.clamp(max=room - 1), kv)[:, 0]
@@ -169,8 +186,10 @@ class HeadDraftProposer:
                 [s.kv for s in states],
                 [(a, s.known) for a, s in zip(starts, states, strict=True)],
             )
-        for row, (index, req) in enumerate(zip(active, reqs, strict=True)):
-            m = req.max_tokens
+        for row, index in enumerate(active):
+            m = lengths[row]
+            if m == 0:
+                continue
             proposed = self.vocab_ids[torch.stack([t[row] for t in tokens[:m]])].tolist()
             q_full = None
             if want_q[row]:

@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_metadata import AttentionMetadata
+from shared.kvcache.pool import KVPool
 from shared.model.gguf_file import Checkpoint
+from shared.model.llama import LlamaModel
 from shared.speculative.draft_data import TeacherSample, build_vocab, target_to_draft_map
 from shared.speculative.draft_model import model_from_checkpoint
 from shared.speculative.draft_train import clock_line, lr_factor
@@ -52,14 +55,20 @@ class HeadTrainConfig:
     chain_steps: int = 3  # guesses of a chain trained as served (DraftHead.forward_chained)
     noise: float = 0.05  # uniform input-state noise, as a fraction of the states' RMS
     heldout_fraction: float = 0.1
+    # Label prompt positions too (the target's distribution there is as much its behaviour
+    # as in replies; a chat log's prompts are mostly earlier turns), not only replies.
+    label_prompt: bool = True
     seed: int = 0
     max_steps: int | None = None  # stop after this many optimizer steps (tests)
 
 
 @dataclass
 class HeadSample:
-    teacher: TeacherSample  # ids, prompt length, top-k from the position before each token
+    # ids, the first labelled position (the prompt length, or 1 when prompt tokens are
+    # labelled too), top-k from the position before each labelled token
+    teacher: TeacherSample
     states: torch.Tensor  # [len(token_ids), H] the target's final-normed states (bf16)
+    reply_from: int = 0  # the logged prompt length: held-out agreement counts replies only
 
 
 @dataclass
@@ -84,9 +93,15 @@ def target_states(
     stop: Callable[[], bool],
     log: Callable[[str], None],
     batch: int = 8,
+    serving: LlamaModel | None = None,
+    label_prompt: bool = False,
 ) -> list[HeadSample]:
     """The target's states and top-k next-token distributions over each (ids, prompt_len),
-    as far as `stop()` allows."""
+    as far as `stop()` allows. With `serving`, the serving model's prompt path computes
+    them (its weight format and kernels: the states the head is fed when it serves, at
+    prefill speed); otherwise a dense fp32 copy of every target layer does."""
+    if serving is not None:
+        return _serving_states(serving, conversations, top_k, stop, log, label_prompt)
     teacher = model_from_checkpoint(
         checkpoint, tuple(range(checkpoint.config.num_layers)), None
     ).eval()
@@ -106,14 +121,67 @@ def target_states(
         hidden = teacher(padded)
         for row, (ids, prompt_len) in enumerate(group):
             states = hidden[row, : len(ids)]
-            # Output token j's label is the distribution at the position before it; one row
-            # more labels what follows the last token (a head slot predicts two ahead).
-            logits = teacher.logits(states[prompt_len - 1 :]).float()
-            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
-            teacher_sample = TeacherSample(ids, prompt_len, top.indices, top.values)
-            out.append(HeadSample(teacher_sample, states.to(torch.bfloat16).clone()))
+            out.append(_sample(ids, prompt_len, states, teacher.logits, top_k, label_prompt))
             tokens += len(ids)
         log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
+    return out
+
+
+def _sample(
+    ids: list[int],
+    prompt_len: int,
+    states: torch.Tensor,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    top_k: int,
+    label_prompt: bool,
+) -> HeadSample:
+    # Token j's label is the distribution at the position before it; one row more labels
+    # what follows the last token (a head slot predicts two ahead).
+    first = 1 if label_prompt else prompt_len
+    logits = logits_of(states[first - 1 :]).float()
+    top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+    teacher_sample = TeacherSample(ids, first, top.indices, top.values)
+    return HeadSample(teacher_sample, states.to(torch.bfloat16).clone(), prompt_len)
+
+
+# Prompt-path chunk: the serving engine's own prefill budget per step.
+_CHUNK = 512
+
+
+@torch.inference_mode()
+def _serving_states(
+    model: LlamaModel,
+    conversations: Sequence[tuple[list[int], int]],
+    top_k: int,
+    stop: Callable[[], bool],
+    log: Callable[[str], None],
+    label_prompt: bool,
+) -> list[HeadSample]:
+    block = 16
+    limit = model.config.max_position
+    longest = min(limit, max(len(ids) for ids, _ in conversations))
+    table = list(range(-(-longest // block)))
+    pool = KVPool(model.kv_layout(block, torch.float32), len(table))
+    out: list[HeadSample] = []
+    tokens = 0
+    last_log = time.monotonic()
+    for ids, prompt_len in conversations:
+        if stop():
+            break
+        ids = ids[:limit]
+        parts = []
+        for a in range(0, len(ids), _CHUNK):
+            chunk = ids[a : a + _CHUNK]
+            meta = AttentionMetadata([len(chunk)], [a + len(chunk)], [table], block)
+            parts.append(model.forward_path(torch.tensor(chunk), meta, pool, decode=False))
+        states = torch.cat(parts).float()
+        logits_of = lambda h: model.logits(h, decode=False)  # noqa: E731
+        out.append(_sample(ids, prompt_len, states, logits_of, top_k, label_prompt))
+        tokens += len(ids)
+        if time.monotonic() - last_log > 10:
+            last_log = time.monotonic()
+            log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
+    log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
     return out
 
 
@@ -125,7 +193,10 @@ def train_head(
     stop_ids: frozenset[int] = frozenset(),
     config: HeadTrainConfig = HeadTrainConfig(),
     log: Callable[[str], None] = print,
+    serving: LlamaModel | None = None,
 ) -> HeadTrainReport:
+    """`serving`: the model as it serves (its format and kernels) computes the states the
+    head learns from; without it, a dense fp32 copy of the checkpoint's layers does."""
     torch.manual_seed(config.seed)
     start, wall_start = time.process_time(), time.monotonic()
     budget = config.max_minutes * 60.0
@@ -146,6 +217,8 @@ def train_head(
         config.top_k,
         lambda: time.process_time() > data_deadline,
         log,
+        serving=serving,
+        label_prompt=config.label_prompt,
     )
     held, train = samples[: len(held_in)], samples[len(held_in) :]
     if not train:
@@ -157,8 +230,8 @@ def train_head(
     init_head_from_checkpoint(head, checkpoint.tensors)
     t = checkpoint.tensors
     head.attach_target(t["embed_tokens"], t.get("lm_head", t["embed_tokens"])[vocab_ids])
-    train_tokens = sum(s.teacher.num_output for s in train)
-    held_tokens = sum(s.teacher.num_output for s in held)
+    train_tokens = sum(len(s.teacher.token_ids) - s.reply_from for s in train)
+    held_tokens = sum(len(s.teacher.token_ids) - s.reply_from for s in held)
     log(
         f"[head] data: {len(train)} train / {len(held)} held-out conversations, "
         f"{train_tokens} train reply tokens, vocab {len(vocab_ids)}, "
@@ -237,7 +310,8 @@ class _Window:
     features: torch.Tensor  # [T, H] target states h_t
     next_ids: torch.Tensor  # [T] x_{t+1}
     next_states: torch.Tensor  # [T, H] h_{t+1} (regression target)
-    mask: torch.Tensor  # [T] slots whose prediction is a reply token
+    mask: torch.Tensor  # [T] slots whose prediction has a label
+    reply_mask: torch.Tensor  # [T] slots whose prediction is a reply token
     target_ids: torch.Tensor  # [T, k] head ids of the target's top-k for x_{t+2}
     target_probs: torch.Tensor  # [T, k], zero outside the head vocabulary
     top1: torch.Tensor  # [T] the target's top-1 (target id) for x_{t+2}
@@ -248,7 +322,8 @@ def _window(s: HeadSample, a: int, b: int, to_head: torch.Tensor) -> _Window:
     ids, p = s.teacher.token_ids, s.teacher.prompt_len
     unk = int(to_head.max())  # target_to_draft_map's id for "outside the vocabulary"
     slots = torch.arange(a, b - 1)
-    mask = slots + 2 >= p  # x_{t+2} is a reply token (its label exists)
+    mask = slots + 2 >= p  # x_{t+2} has a label
+    reply_mask = slots + 2 >= s.reply_from
     label_rows = (slots + 2 - p).clamp(min=0, max=s.teacher.top_ids.shape[0] - 1)
     top_ids = s.teacher.top_ids[label_rows]
     mapped = to_head[top_ids]
@@ -258,6 +333,7 @@ def _window(s: HeadSample, a: int, b: int, to_head: torch.Tensor) -> _Window:
         next_ids=torch.tensor(ids[a + 1 : b]),
         next_states=s.states[a + 1 : b].float(),
         mask=mask,
+        reply_mask=reply_mask,
         target_ids=mapped.clamp(max=unk - 1),
         target_probs=probs,
         top1=top_ids[:, 0],
@@ -268,7 +344,8 @@ def _sample_window(
     rng: random.Random, samples: list[HeadSample], length: int, to_head: torch.Tensor
 ) -> _Window:
     s = rng.choice(samples)
-    ids, p = s.teacher.token_ids, s.teacher.prompt_len
+    # The window ends in the reply (what serving drafts) and starts anywhere before.
+    ids, p = s.teacher.token_ids, s.reply_from
     end = rng.randint(p + 1, len(ids)) if len(ids) > p + 1 else len(ids)
     lowest = max(0, end - 1 - length)
     a = rng.randint(lowest, max(lowest, min(p - 1, end - 2)))
@@ -320,6 +397,6 @@ def _agreement(head: DraftHead, windows: list[_Window], vocab_ids: torch.Tensor)
     agree = total = 0
     for w in windows:
         guess = vocab_ids[head.logits(head(w.features[None], w.next_ids[None]))[0].argmax(-1)]
-        agree += int((guess[w.mask] == w.top1[w.mask]).sum())
-        total += int(w.mask.sum())
+        agree += int((guess[w.reply_mask] == w.top1[w.reply_mask]).sum())
+        total += int(w.reply_mask.sum())
     return agree / max(1, total)

@@ -186,7 +186,9 @@ def test_kill_one_the_other_serves_every_worker_and_the_restarted_one_converges(
     lock = threading.Lock()
 
     def stream(i: int) -> None:
-        _, decode = _chat(a, _opening(20 + i), max_tokens=16)
+        # Long enough that each stream still decodes when the next leaves the one prefill
+        # replica (which serialises them on a loaded machine): the router sees them at once.
+        _, decode = _chat(a, _opening(20 + i), max_tokens=48)
         with lock:
             decodes.add(decode)
 
