@@ -97,6 +97,7 @@ class WorkerRuntime:
             speculative_method=spec.method,
             num_speculative_tokens=spec.num_speculative_tokens,
             draft_path=spec.draft_path,
+            draft_min_confidence=spec.draft_min_confidence,
             ngram_max=spec.ngram_max,
             ngram_min=spec.ngram_min,
         )

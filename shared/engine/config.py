@@ -45,6 +45,7 @@ class EngineConfig:
     speculative_method: SpecMethod = defaults.SPECULATIVE_METHOD
     num_speculative_tokens: int = defaults.NUM_SPECULATIVE_TOKENS
     draft_path: str | None = None  # None = draft_path_for(model)
+    draft_min_confidence: float = defaults.DRAFT_MIN_CONFIDENCE
     ngram_max: int = defaults.NGRAM_MAX
     ngram_min: int = defaults.NGRAM_MIN
 
@@ -85,6 +86,10 @@ class EngineConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
+            )
+        if not 0.0 <= self.draft_min_confidence <= 1.0:
+            raise ValueError(
+                f"draft_min_confidence must be in 0..1, got {self.draft_min_confidence}"
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(

@@ -89,7 +89,9 @@ def load_draft_file(
         if target is None:
             return None, f"{path}: a draft head needs the target model it reads"
         try:
-            return load_head_proposer(path, fingerprint, vocab_size, target), None
+            proposer = load_head_proposer(path, fingerprint, vocab_size, target)
+            proposer.min_chain_confidence = config.draft_min_confidence
+            return proposer, None
         except DraftLoadError as exc:
             return None, str(exc)
     try:

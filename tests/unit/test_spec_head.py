@@ -271,3 +271,65 @@ def test_head_drafts_from_the_native_steps_states(plain, head_file, weights, dec
         got += checked_run(engine, prompts[i : i + 4], GREEDY)
     assert got == expected
     assert engine.spec_stats()["by_method"]["draft"]["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_doubtful_chain_stops_early_and_the_output_stays_plain(
+    tiny_model, plain, head_file, batch
+):
+    prompts, expected = plain
+    drafted = {}
+    for confidence in (0.0, 0.6):
+        head = _head(tiny_model, head_file)
+        head.min_chain_confidence = confidence
+        engine = _engine(tiny_model, "draft", head, num_speculative_tokens=8)
+        got = []
+        for i in range(0, len(prompts), batch):
+            got += checked_run(engine, prompts[i : i + batch], GREEDY)
+        assert got == expected, f"confidence {confidence}"
+        stats = engine.spec_stats()["by_method"]["draft"]
+        drafted[confidence] = (stats["draft_tokens"], stats["accepted_tokens"])
+    # Fewer guesses verified, most of them the doubted ones that would have been rejected.
+    (full, kept_full), (short, kept_short) = drafted[0.0], drafted[0.6]
+    assert short < full
+    assert kept_short / short > kept_full / full
+
+
+def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
+    from shared.engine.speculator_build import load_draft_file
+
+    config = EngineConfig(
+        num_blocks=64, block_size=4, speculative_method="draft", draft_min_confidence=0.45
+    )
+    proposer, why = load_draft_file(
+        config, str(head_file.path), FINGERPRINT, TINY_CONFIG.vocab_size, tiny_model
+    )
+    assert why is None and proposer.min_chain_confidence == 0.45
+    with pytest.raises(ValueError, match="draft_min_confidence must be in 0..1"):
+        EngineConfig(num_blocks=64, block_size=4, draft_min_confidence=1.5)
+
+
+def test_the_serving_path_teaches_the_same_states_and_labels_every_position(tiny_model, plain):
+    from shared.speculative.head_train import target_states
+
+    prompts, replies = plain
+    conversations = [(p + r, len(p)) for p, r in zip(prompts[:3], replies[:3], strict=True)]
+    never = lambda: False  # noqa: E731
+    dense = target_states(tiny_checkpoint(seed=0), conversations, 4, never, lambda _: None)
+    served = target_states(
+        tiny_checkpoint(seed=0),
+        conversations,
+        4,
+        never,
+        lambda _: None,
+        serving=tiny_model,
+        label_prompt=True,
+    )
+    for d, s, (ids, prompt_len) in zip(dense, served, conversations, strict=True):
+        torch.testing.assert_close(s.states.float(), d.states.float(), atol=2e-2, rtol=2e-2)
+        # Reply labels alike; the served sample labels the prompt's positions too.
+        assert d.teacher.prompt_len == prompt_len and s.teacher.prompt_len == 1
+        assert s.reply_from == prompt_len
+        reply = s.teacher.top_ids[prompt_len - 1 :]
+        assert (reply[:, 0] == d.teacher.top_ids[:, 0]).all()
+        assert s.teacher.top_ids.shape[0] == len(ids)
