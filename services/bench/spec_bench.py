@@ -115,7 +115,7 @@ def run(
     max_tokens: int | None = None,
     draft_path: str | None = None,
     head_path: str | None = None,
-    head_minutes: float = 3.0,
+    head_minutes: float = 10.0,
     methods: tuple[str, ...] = METHODS,
     sets_wanted: tuple[str, ...] = SETS,
     log: Callable[[str], None] = print,

@@ -28,7 +28,8 @@ def add_bench(kinds) -> None:
         help="draft head for method `head` (default: train one on the bench's replayed chat "
         "traffic, --head-minutes of CPU)",
     )
-    spec.add_argument("--head-minutes", type=float, default=3.0, help="CPU minutes to train it")
+    # Measured: held-out first-guess agreement 0.447 after 8 CPU-minutes, still rising.
+    spec.add_argument("--head-minutes", type=float, default=10.0, help="CPU minutes to train it")
     spec.add_argument(
         "--methods",
         default=",".join(METHODS),
