@@ -109,20 +109,36 @@ def time_decode(
     return DecodePoint(batch, context + 1 + warmup + steps // 2, ms)
 
 
+# Decode points are timed in rounds, every point once per round, each keeping its best: a
+# slow spell of a shared machine then costs one round of every point rather than all of one
+# point's steps (a profile measured here once put batch 1 at 41.6 ms a step, batch 8 at
+# 40.8; the same step timed alone took 18 ms, and the simulator inherited the error).
+DECODE_ROUNDS = 2
+
+
 def measure_decode(
     engine: Engine,
     batches: Sequence[int],
     contexts: Sequence[int],
     steps: int,
     progress: Progress,
+    rounds: int = DECODE_ROUNDS,
 ) -> list[DecodePoint]:
     prompts = PromptSource(engine.model.config.vocab_size, seed=2)
-    points = []
-    for context in contexts:
-        for batch in batches:
-            points.append(time_decode(engine, prompts, batch, context, steps))
-            progress(f"decode batch {batch}, context {context}: {points[-1].ms:.1f} ms/step")
-    return points
+    best: dict[tuple[int, int], DecodePoint] = {}
+    for _ in range(rounds):
+        for context in contexts:
+            for batch in batches:
+                point = time_decode(engine, prompts, batch, context, steps)
+                kept = best.get((batch, context))
+                if kept is None or point.ms < kept.ms:
+                    best[(batch, context)] = point
+    keys = [(batch, context) for context in contexts for batch in batches]
+    for batch, context in keys:
+        progress(
+            f"decode batch {batch}, context {context}: {best[(batch, context)].ms:.1f} ms/step"
+        )
+    return [best[key] for key in keys]
 
 
 def measure_transfer(

@@ -34,3 +34,21 @@ def test_decode_points_run_whole_batches_without_prefilling_them(tiny_model):
     assert not engine.has_work  # every measured sequence was aborted and its blocks freed
     assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
     fit_decode(points)
+
+
+def test_each_decode_point_keeps_its_least_disturbed_round(tiny_model, monkeypatch):
+    from services.profiler import measure
+
+    # Round 1 is slow for batch 1, round 2 for batch 4: each point keeps the fast one.
+    slow = iter([True, False, False, True])
+    real = measure.time_decode
+
+    def timed(engine, prompts, batch, context, steps):
+        point = real(engine, prompts, batch, context, steps)
+        return measure.DecodePoint(point.batch, point.context, 1000.0 if next(slow) else 1.0)
+
+    monkeypatch.setattr(measure, "time_decode", timed)
+    notes: list[str] = []
+    points = measure_decode(_engine(tiny_model), (1, 4), (32,), 2, notes.append, rounds=2)
+    assert [(p.batch, p.ms) for p in points] == [(1, 1.0), (4, 1.0)]
+    assert len(notes) == 2
