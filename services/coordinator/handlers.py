@@ -120,7 +120,8 @@ class GenerationHandler:
             except BaseException as exc:
                 trace.fail(exc)
                 raise
-        response.headers.update(trace.headers())
+        if not isinstance(response, SSEResponse):  # a stream has them from before its first token
+            response.headers.update(trace.headers())
         return response
 
     async def _handle(self, request: Request, endpoint: Endpoint, trace: RequestTrace) -> Response:
@@ -167,6 +168,13 @@ class GenerationHandler:
                 loop = RetryLoop(self.backend, policy, model.tokenizer)
                 streams = ChoiceStreams(loop, prepared.requests, hold_first=prepared.stream)
                 if prepared.stream:
+                    # Everything the response needs but its first token is built while the
+                    # prefill runs, so the token only has to be formatted and written.
+                    response = SSEResponse(
+                        headers={"X-Request-Id": prepared.response_id, **trace.headers()},
+                        on_close=lambda: _close(streams, ticket),
+                    )
+                    fmt = spec.format(prepared, state)
                     first = await until_disconnect(request, streams.next())
                 else:
                     await until_disconnect(request, self._collect(streams, state, progress))
@@ -186,11 +194,13 @@ class GenerationHandler:
         except Exception:
             self._count(progress, endpoint, 500)  # a bug: the last-resort handler answers
             raise
+        if prepared.stream:
+            response.body_iterator = self._events(
+                prepared, streams, first, state, fmt, progress, ticket
+            )
+            return response
         headers = {"X-Request-Id": prepared.response_id}
         fmt = spec.format(prepared, state)
-        if prepared.stream:
-            events = self._events(prepared, streams, first, state, fmt, progress, ticket)
-            return SSEResponse(events, headers=headers, on_close=lambda: _close(streams, ticket))
         ticket.release()
         try:
             body = fmt.response()

@@ -91,19 +91,33 @@ class ChoiceStreams:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it if the client disconnects first (ClientDisconnected)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    """Run `work`, cancelling it if the client disconnects first (ClientDisconnected).
+
+    The work is awaited in the caller's own task and a side task watches the connection:
+    wrapping the work in a task of its own would put two more turns of the event loop
+    between a backend's first token and its relay to the client."""
+    caller = asyncio.current_task()
+    assert caller is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _wait_for_disconnect(request)
+        gone = True
+        caller.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise ClientDisconnected()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (shutdown): not ours to swallow
+        caller.uncancel()
+        raise ClientDisconnected() from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+        if asyncio.iscoroutine(work):
+            work.close()  # never started (cancelled at once): no "never awaited" warning
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -133,12 +147,14 @@ class SSEResponse(StreamingResponse):
 
     def __init__(
         self,
-        content: AsyncIterator[str],
+        content: AsyncIterator[str] | None = None,
         headers: dict[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
     ):
+        """`content` may be set later (`body_iterator`): a handler builds the response while
+        its first event is still on the way."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
-        super().__init__(content, headers=headers)
+        super().__init__(_nothing() if content is None else content, headers=headers)
         # Runs however the response ends, even if the body never started (a client gone
         # before the headers were written): closing an unstarted generator runs none of its
         # cleanup, and the backend streams it owns would wait on it for ever.
@@ -172,6 +188,11 @@ class SSEResponse(StreamingResponse):
             await _close_quietly(self.body_iterator, streaming, gone)
             if self._on_close is not None:
                 self._on_close()
+
+
+async def _nothing() -> AsyncIterator[str]:
+    return
+    yield  # an async generator that yields nothing
 
 
 async def _close_quietly(body: AsyncIterator[str], task: asyncio.Task, gone: asyncio.Event) -> None:
