@@ -38,10 +38,18 @@ class Efficiency:
     kv_memory: float
     step_ms: float  # per step: scheduling, launches, sampling
     source: str
+    # Fraction of peak FLOP/s attention's own FLOPs get (None: the same as `compute`).
+    attention: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.compute > 0 and self.memory > 0 and self.kv_memory > 0 and self.step_ms >= 0):
             raise ValueError(f"efficiency factors must be positive: {self}")
+        if self.attention is not None and not self.attention > 0:
+            raise ValueError(f"efficiency factors must be positive: {self}")
+
+    @property
+    def attention_compute(self) -> float:
+        return self.compute if self.attention is None else self.attention
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,10 @@ class Machine:
 def step_ms(
     machine: Machine, eff: Efficiency, cost: StepCost, tokens: float, layers: int, hidden: int
 ) -> float:
-    compute = cost.flops / (machine.flops_per_ms * eff.compute)
+    dense = cost.flops - cost.attention_flops
+    compute = (
+        dense / eff.compute + cost.attention_flops / eff.attention_compute
+    ) / machine.flops_per_ms
     memory = (cost.weight_bytes / eff.memory + cost.kv_bytes / eff.kv_memory) / machine.bytes_per_ms
     body = max(compute, memory) if machine.overlap else compute + memory
     comm = 0.0

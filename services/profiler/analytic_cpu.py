@@ -7,7 +7,10 @@ profile timed. A measured prompt's time is then fitted as
     ms = flops / (peak_flops * compute) + weight_bytes / (peak_bw * memory)
          + kv_bytes / (peak_bw * kv_memory)
 and a decode step's likewise (one thread issues both its loads and its FMAs, so the terms
-add), giving each path's three factors. There is no separate per-step constant: every step
+add), giving each path's factors. Attention's FLOPs (QK^T and PV) have a factor of their own:
+they run in other kernels than the weight GEMMs (a gather, scores, a softmax), at a small
+fraction of the GEMMs' rate here, so one compute factor for both cannot follow a prompt's
+time as it grows quadratically with length. There is no separate per-step constant: every step
 reads the weights once, so it would be the weight term under another name; the KV has its
 own factor because the engine's paged attention gathers blocks (a copy) before reading them.
 How well that holds is measured by leaving each point out of the fit in turn and predicting
@@ -81,31 +84,36 @@ def _prefill_features(
     shape: ModelShape, precision: Precision, machine: Machine, point: PrefillPoint, chunk: int
 ) -> tuple[float, ...]:
     offset = min(point.cached, point.tokens - 1)
-    flops, weights, kv = 0.0, 0.0, 0.0
+    dense, attention, weights, kv = 0.0, 0.0, 0.0, 0.0
     while offset < point.tokens:
         n = min(chunk, point.tokens - offset)
         cost = prefill_chunk_cost(shape, precision, n, offset)
-        flops, weights, kv = flops + cost.flops, weights + cost.weight_bytes, kv + cost.kv_bytes
+        dense += cost.flops - cost.attention_flops
+        attention += cost.attention_flops
+        weights, kv = weights + cost.weight_bytes, kv + cost.kv_bytes
         offset += n
-    return _scaled(machine, flops, weights, kv)
+    return _scaled(machine, dense, attention, weights, kv)
 
 
-def _scaled(machine: Machine, flops: float, weights: float, kv: float) -> tuple[float, ...]:
+def _scaled(
+    machine: Machine, dense: float, attention: float, weights: float, kv: float
+) -> tuple[float, ...]:
     """Each resource's time at its peak: the fit's coefficients are 1 / efficiency."""
-    peak_bw = machine.bytes_per_ms
-    return flops / machine.flops_per_ms, weights / peak_bw, kv / peak_bw
+    peak, peak_bw = machine.flops_per_ms, machine.bytes_per_ms
+    return dense / peak, attention / peak, weights / peak_bw, kv / peak_bw
 
 
 def _decode_features(
     shape: ModelShape, precision: Precision, machine: Machine, point: DecodePoint
 ) -> tuple[float, ...]:
     cost = decode_step_cost(shape, precision, point.batch, point.batch * point.context)
-    return _scaled(machine, cost.flops, cost.weight_bytes, cost.kv_bytes)
+    dense = cost.flops - cost.attention_flops
+    return _scaled(machine, dense, cost.attention_flops, cost.weight_bytes, cost.kv_bytes)
 
 
 def _efficiency(coef: np.ndarray, source: str) -> Efficiency:
-    compute, memory, kv = (1.0 / float(c) if c > 0 else UNNEEDED for c in coef)
-    return Efficiency(compute, memory, kv, 0.0, source)
+    compute, attention, memory, kv = (1.0 / float(c) if c > 0 else UNNEEDED for c in coef)
+    return Efficiency(compute, memory, kv, 0.0, source, attention=attention)
 
 
 def _loo_errors(features: np.ndarray, target: np.ndarray) -> list[float]:

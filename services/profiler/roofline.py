@@ -28,9 +28,12 @@ from services.profiler.model_shape import ModelShape
 
 @dataclass(frozen=True)
 class StepCost:
-    flops: float
+    flops: float  # all of them, attention's included
     weight_bytes: float
     kv_bytes: float
+    # QK^T and PV over the attended positions: a different kernel from the weight GEMMs
+    # (scores, softmax and a paged gather on a CPU), whose rate is calibrated on its own.
+    attention_flops: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -86,13 +89,14 @@ def step_cost(
         touched = experts_touched(shape, new_tokens) * expert_params(shape)
         weights += shape.moe_layers * (attn + router + shared + touched)
     head = h * shape.vocab_size
-    flops = 2.0 * flops_per_token * new_tokens + 2.0 * head * head_rows
-    flops += 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended
+    attention = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended
+    flops = 2.0 * flops_per_token * new_tokens + 2.0 * head * head_rows + attention
     kv_per_token = kv_bytes_per_token(shape, precision)
     return StepCost(
         flops=flops,
         weight_bytes=(weights + head) * precision.weight_bytes,
         kv_bytes=kv_per_token * (kv_read_positions + new_tokens),
+        attention_flops=attention,
     )
 
 
