@@ -24,7 +24,8 @@ from services.bench.spec_head import train_bench_head, write_replay_log
 from services.bench.spec_methods import METHODS, SETS
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.model.llama import LlamaModel
+from shared.engine.model_setup import load_serving_model
+from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.model.loader import read_checkpoint
 from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
@@ -128,8 +129,10 @@ def run(
     torch.set_num_threads(threads)
     path = model_path or default_model_path()
     tokenizer = Tokenizer.from_gguf(path)
-    checkpoint = read_checkpoint(path)
-    model = LlamaModel(checkpoint, weights=weights)
+    # `auto` measures which formats are fastest here, as a serving pool does at load.
+    kv_dtype = resolve_kv_dtype(EngineConfig().kv_cache_dtype)[0]
+    model, choice = load_serving_model(path, weights, threads=threads, kv_dtype=kv_dtype)
+    checkpoint = read_checkpoint(path)  # fp32 tensors, for training the head
     replay = Engine(
         EngineConfig(model=path, weights=weights, kv_cache_bytes=256 << 20, num_threads=threads),  # type: ignore[arg-type]
         model=model,
@@ -166,6 +169,7 @@ def run(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result: dict = {
         "weights": weights,
+        "formats": choice.describe() if choice is not None else weights,
         "threads": threads,
         "max_tokens": max_tokens,
         "num_speculative_tokens": k,

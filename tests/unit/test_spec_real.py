@@ -75,3 +75,23 @@ def test_greedy_equals_plain_decoding(
         assert outputs == plain[batch], f"{method} at batch {batch}"
         # With step costs pinned, an adaptive that never speculates fails here too.
         assert stats["verify_steps"] > 0, f"{method} at batch {batch} never speculated"
+
+
+def test_bench_spec_serves_auto_weights_as_a_pool_does():
+    """`bench spec --weights auto` measures the formats `auto` chooses here (it used to hand
+    'auto' to the model loader, which refused it with a traceback)."""
+    from services.bench import spec_bench
+
+    result = spec_bench.run(
+        weights="auto",
+        quick=True,
+        methods=("none", "ngram"),
+        sets_wanted=("chat",),
+        prompts_per_set=1,
+        max_tokens=4,
+        log=lambda _: None,
+    )
+    assert result["weights"] == "auto"
+    assert result["formats"].startswith("prefill=")  # what auto chose, said
+    entry = result["chat.ngram.b1"]
+    assert entry["identical_greedy"] and entry["decode_tokens"] == 3
