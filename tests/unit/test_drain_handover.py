@@ -96,7 +96,9 @@ def test_streams_outlasting_the_grace_are_handed_over_intact(tiny_folder, real_t
         assert first["replica"].endswith(drained_id)
         assert first["success"] and first["error"] is None  # a hand-over is no failure
         assert drained_id not in handed["replica"] and handed["success"]
-        assert handed["after_tokens"] >= 5
+        # Handed over mid-stream, from the tokens it had: the drain starts when one stream has
+        # 5, and a stream that started later on the same replica may have fewer.
+        assert handed["after_tokens"] >= 1
     # Still in the pool (finishing its drain), but nothing new goes there.
     info = fleet.registry.workers[drained_id]
     assert info.alive and info.draining and not info.routable
