@@ -4,8 +4,8 @@ calibrated against a measured profile of this machine.
 The peaks are measured here (one thread's fp32 GEMM rate and streaming-read bandwidth,
 `services.bench.hardware`); the weight bytes per path are those of the formats the measured
 profile timed. A measured prompt's time is then fitted as
-    ms = flops / (peak_flops * compute) + weight_bytes / (peak_bw * memory)
-         + kv_bytes / (peak_bw * kv_memory)
+    ms = gemm_flops / (peak_flops * compute) + attention_flops / (peak_flops * attention)
+         + weight_bytes / (peak_bw * memory) + kv_bytes / (peak_bw * kv_memory)
 and a decode step's likewise (one thread issues both its loads and its FMAs, so the terms
 add), giving each path's factors. Attention's FLOPs (QK^T and PV) have a factor of their own:
 they run in other kernels than the weight GEMMs (a gather, scores, a softmax), at a small
