@@ -117,7 +117,8 @@ def add_commands(sub) -> None:
         metavar="P,D",
         help="prefill and decode replicas share hosts: a prefill step runs P times slower "
         "while decode is busy, a decode step D times while prefill is (the live check measures "
-        "about 2,1.4 on a 2-core machine); charged in proportion to the neighbour's utilization",
+        "about 2,1.4 on a 2-core machine); charged over the part of each replica's busy time "
+        "that the other kind is busy too",
     )
     tune.add_argument(
         "--fleet-hardware",

@@ -11,7 +11,7 @@ One more thing is particular to a local stack: its prefill and decode replicas s
 machine's cores, so a prefill runs slower while the decode replica is busy (about 2x here),
 which a fleet of separate accelerators does not do, and a decode step slows while a prompt
 prefills. Probes sent while a long reply streams measure both; the live check applies each
-in proportion to how busy the simulated neighbour replica is (`validate.simulate_anchored`).
+over the part of its simulated busy time the neighbour is busy too (`colocation`).
 """
 
 from __future__ import annotations
