@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shared.model.fp32_route import fp32_linear, register
+
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 
@@ -61,6 +63,7 @@ class Linear:
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         if fmt == "fp32":
             self.fp32 = weight.contiguous()
+            register(self.fp32)
         if fmt == "bf16":
             self.bf16 = weight.to(torch.bfloat16).contiguous()
         if fmt == "int8":
@@ -99,7 +102,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32 is not None:
-            return F.linear(x, self.fp32)
+            return fp32_linear(x, self.fp32)
         xb = x.to(torch.bfloat16)
         if self.int4 is not None:
             packed, scales_zeros = self.int4
