@@ -42,8 +42,12 @@ _measured: set[tuple[int, int]] = set()  # (rows, threads) measured so far
 
 def register(weight: torch.Tensor) -> None:
     """A CPU fp32 weight [out, in] that serves through `fp32_linear`, in forward order."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        _weights.append(weakref.ref(weight))
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return
+    shape = (weight.shape[0], weight.shape[1])
+    if not any(shape == (o, i) for o, i, _, _ in _routes):
+        _measured.clear()  # a shape no measurement has seen: measure again, with it
+    _weights.append(weakref.ref(weight))
 
 
 def _weight_stationary(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

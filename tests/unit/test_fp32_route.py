@@ -62,3 +62,17 @@ def test_large_batches_and_unmeasured_shapes_take_linear(monkeypatch):
     torch.testing.assert_close(fp32_route.fp32_linear(x, w), F.linear(x, w))
     big = torch.randn(fp32_route.SMALL_ROWS + 1, 8)
     torch.testing.assert_close(fp32_route.fp32_linear(big, w), F.linear(big, w))
+
+
+def test_a_new_shape_is_measured_again_with_the_rest():
+    torch.manual_seed(3)
+    first = Linear(torch.randn(72, 40), "fp32")
+    x = torch.randn(2, 40)
+    first(x)
+    threads = torch.get_num_threads()
+    assert (2, threads) in fp32_route._measured
+    second = Linear(torch.randn(56, 40), "fp32")  # a shape nothing measured yet
+    assert (2, threads) not in fp32_route._measured
+    torch.testing.assert_close(second(x), F.linear(x, second.fp32), rtol=1e-5, atol=1e-5)
+    assert (56, 40, 2, threads) in fp32_route._routes
+    assert (72, 40, 2, threads) in fp32_route._routes
