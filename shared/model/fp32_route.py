@@ -1,4 +1,4 @@
-"""Which of two equivalent fp32 GEMM calls serves a few rows fastest on this machine.
+"""Which equivalent fp32 GEMM call serves a few rows fastest on this machine.
 
 `y = x @ W.T` for a handful of rows (a decode step, a verify step of 2–9 query tokens) can be
 asked of the BLAS as `linear(x, W)` or, weight-stationary, as `(W @ x.T).T`. The two compute
@@ -8,12 +8,13 @@ differs by machine. Measured on a 2-core AMD EPYC with torch's MKL: the 49,152 x
 weight-stationary, so a speculative verify step of 3 tokens cost nearly twice a plain step.
 On other shapes and row counts `linear` wins.
 
-So the route is measured here, the first time a row count is seen (per thread count): every
-registered fp32 weight (the layers of the models loaded in this process) is multiplied once
-through each call in turn, in layer order as a forward pass streams them, so each call meets
-its weight as a real step does (out of cache, on a model larger than the cache; a per-call
-loop over one hot weight picks differently). Two rounds, the better kept; the faster call
-per weight shape is kept for the process.
+So the route is measured here, the first time a row count is seen (per thread count): the
+most recently registered fp32 weights (the model loaded last, up to `MEASURE_BYTES`, and one
+weight of each other shape) are multiplied once through each call in turn, in layer order as
+a forward pass streams them, so each call meets its weight as a real step does (out of
+cache, on a model larger than the cache; a per-call loop over one hot weight picks
+differently). Two rounds, the better kept; the faster call per weight shape is kept for the
+process.
 
 Only row counts up to `SMALL_ROWS` are routed; beyond that both calls are the BLAS's ordinary
 GEMM regime.
@@ -31,6 +32,10 @@ import torch.nn.functional as F
 
 SMALL_ROWS = 16
 _ROUNDS = 2
+# The measurement streams at most this much of the most recently loaded weights: well past a
+# CPU's cache (so they come from memory, as in a step), and a pause of tens of ms, once per
+# row count, whatever else the process holds.
+MEASURE_BYTES = 128 << 20
 
 Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -79,7 +84,19 @@ def _pass_seconds(call: Call, weights: list[torch.Tensor], xs: dict[int, torch.T
 
 def _measure(rows: int, threads: int) -> None:
     _weights[:] = [r for r in _weights if r() is not None]
-    weights = [w for r in _weights if (w := r()) is not None]
+    weights: list[torch.Tensor] = []
+    shapes: set[tuple[int, int]] = set()
+    budget = MEASURE_BYTES
+    for ref in reversed(_weights):
+        w = ref()
+        if w is None:
+            continue
+        shape = (w.shape[0], w.shape[1])
+        if budget > 0 or shape not in shapes:  # past the budget, each new shape once
+            weights.append(w)
+            shapes.add(shape)
+            budget -= w.numel() * w.element_size()
+    weights.reverse()  # forward order, as a step streams them
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     best: dict[str, dict[tuple[int, int], float]] = {}
     with torch.no_grad():
