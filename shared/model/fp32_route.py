@@ -1,20 +1,33 @@
-"""Which equivalent fp32 GEMM call serves a few rows fastest on this machine.
+"""Which equivalent fp32 GEMM call serves a few rows fastest on this machine, chosen so that the
+same weights always give the same bits.
 
 `y = x @ W.T` for a handful of rows (a decode step, a verify step of 2–9 query tokens) can be
 asked of the BLAS as `linear(x, W)` or, weight-stationary, as `(W @ x.T).T`. The two compute
 the same products; which is faster is the BLAS's choice of kernel for the shape, and it
-differs by machine. Measured on a 2-core AMD EPYC with torch's MKL: the 49,152 x 576 head took
-18 ms for 2 rows and 25 ms for 3 through `linear` (7.9 ms for 1), 3.4 and 4.7 ms
-weight-stationary, so a speculative verify step of 3 tokens cost nearly twice a plain step.
-On other shapes and row counts `linear` wins.
+differs by machine. Measured with torch's MKL on two 2-core AMD EPYCs, whole fp32 passes over
+SmolLM2's 121 matrices: on the AVX2 one, 75 ms for 1 row through `linear` but 157-216 ms for
+2-5 rows, against 55-80 ms weight-stationary; on the AVX-512 one the 49,152 x 576 head alone
+took 18 and 25 ms for 2 and 3 rows through `linear` (7.9 ms for 1), 3.4 and 4.7 ms
+weight-stationary. So a speculative verify step cost two to three plain steps. On other
+shapes and row counts `linear` wins.
 
-So the route is measured here, the first time a row count is seen (per thread count): the
-most recently registered fp32 weights (the model loaded last, up to `MEASURE_BYTES`, and one
-weight of each other shape) are multiplied once through each call in turn, in layer order as
-a forward pass streams them, so each call meets its weight as a real step does (out of
-cache, on a model larger than the cache; a per-call loop over one hot weight picks
-differently). Two rounds, the better kept; the faster call per weight shape is kept for the
-process.
+So the route is measured, the first time a row count is seen on this machine (per thread
+count): the most recently registered fp32 weights (the model loaded last, up to
+`MEASURE_BYTES`, and one weight of each other shape) are multiplied once through each call in
+turn, in layer order as a forward pass streams them, so each call meets its weight as a real
+step does (out of cache, on a model larger than the cache; a per-call loop over one hot
+weight picks differently). Two rounds, the better kept.
+
+Reproducibility, which greedy identity rests on, takes three rules:
+- Every fp32 weight starts on a 64-byte boundary (`aligned`). MKL's kernels give other bits
+  for a weight 4 or 8 bytes off (measured here: both `linear` for one row and the
+  weight-stationary call, at every shape tried; offsets of 16-byte multiples agree). Weights
+  read from a file sit wherever its layout put them, so the same model loaded from a GGUF and
+  from a safetensors folder gave different logits.
+- A route once chosen for a shape and row count is never changed in the process.
+- Routes are shared by every process of this machine through a file keyed by its CPU
+  signature (the first process to need a row count measures it under a lock; the others read
+  its choice), so a prefill replica, a decode replica and a reference run agree.
 
 Only row counts up to `SMALL_ROWS` are routed; beyond that both calls are the BLAS's ordinary
 GEMM regime.
@@ -22,27 +35,54 @@ GEMM regime.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kernels.native.build import cache_dir as native_cache_dir
+from kernels.native.build import cpu_signature
+
+log = logging.getLogger(__name__)
+
 SMALL_ROWS = 16
+ALIGNMENT = 64  # bytes: a cache line, and past every vector width MKL's kernels align to
 _ROUNDS = 2
+ROUTES_VERSION = 2  # bump when what is measured changes, so cached routes are redone
 # The measurement streams at most this much of the most recently loaded weights: well past a
 # CPU's cache (so they come from memory, as in a step), and a pause of tens of ms, once per
-# row count, whatever else the process holds.
+# row count and machine, whatever else the process holds.
 MEASURE_BYTES = 128 << 20
 
 Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Key = tuple[int, int, int, int]  # (out, in, rows, threads)
 
 _weights: list[weakref.ref[torch.Tensor]] = []
-# (out, in, rows, threads) -> the call measured fastest for it (absent: `linear`).
-_routes: dict[tuple[int, int, int, int], str] = {}
-_measured: set[tuple[int, int]] = set()  # (rows, threads) measured so far
+# (out, in, rows, threads) -> the call chosen for it (absent: not settled yet).
+_routes: dict[Key, str] = {}
+_measured: set[tuple[int, int]] = set()  # (rows, threads) settled for every registered shape
+
+
+def aligned(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` contiguous and starting on an `ALIGNMENT`-byte boundary (copied if not)."""
+    weight = weight.contiguous()
+    if weight.device.type != "cpu" or weight.data_ptr() % ALIGNMENT == 0:
+        return weight
+    # torch's CPU allocator hands out 64-byte-aligned blocks.
+    copy = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    copy.copy_(weight)
+    assert copy.data_ptr() % ALIGNMENT == 0, "torch's allocator no longer aligns to 64 bytes"
+    return copy
 
 
 def register(weight: torch.Tensor) -> None:
@@ -51,7 +91,7 @@ def register(weight: torch.Tensor) -> None:
         return
     shape = (weight.shape[0], weight.shape[1])
     if not any(shape == (o, i) for o, i, _, _ in _routes):
-        _measured.clear()  # a shape no measurement has seen: measure again, with it
+        _measured.clear()  # a shape no route has: settle again, with it
     _weights.append(weakref.ref(weight))
 
 
@@ -82,7 +122,9 @@ def _pass_seconds(call: Call, weights: list[torch.Tensor], xs: dict[int, torch.T
     return spent
 
 
-def _measure(rows: int, threads: int) -> None:
+def _live_weights() -> list[torch.Tensor]:
+    """The registered weights to time: the latest `MEASURE_BYTES`, then one of each other
+    shape, in forward order."""
     _weights[:] = [r for r in _weights if r() is not None]
     weights: list[torch.Tensor] = []
     shapes: set[tuple[int, int]] = set()
@@ -97,6 +139,11 @@ def _measure(rows: int, threads: int) -> None:
             shapes.add(shape)
             budget -= w.numel() * w.element_size()
     weights.reverse()  # forward order, as a step streams them
+    return weights
+
+
+def _measure(rows: int, weights: list[torch.Tensor]) -> dict[tuple[int, int], str]:
+    """The fastest call per weight shape for `rows` rows, timed over `weights`."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     best: dict[str, dict[tuple[int, int], float]] = {}
     with torch.no_grad():
@@ -106,19 +153,86 @@ def _measure(rows: int, threads: int) -> None:
                 kept = best.setdefault(name, spent)
                 for shape, seconds in spent.items():
                     kept[shape] = min(kept[shape], seconds)
-    for shape in best.get("linear", {}):
-        _routes[(*shape, rows, threads)] = min(best, key=lambda name: best[name][shape])
+    return {shape: min(best, key=lambda name: best[name][shape]) for shape in best["linear"]}
+
+
+def routes_path(threads: int) -> Path:
+    """Where this machine's routes for `threads` threads are kept."""
+    omp = f"{os.environ.get('OMP_WAIT_POLICY', '')},{os.environ.get('GOMP_SPINCOUNT', '')}"
+    key = "|".join([str(ROUTES_VERSION), cpu_signature(), str(threads), torch.__version__, omp])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return native_cache_dir().parent / "formats" / f"fp32-routes-{digest}.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[dict[str, str]]:
+    """The routes file's contents under an exclusive lock; what the body leaves in the dict
+    is written back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stored: dict[str, str] = {}
+        if path.is_file():
+            try:
+                stored = dict(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("ignoring unreadable fp32 routes %s: %s", path, exc)
+        before = dict(stored)
+        yield stored
+        if stored != before:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+
+
+def _settle(rows: int, threads: int) -> None:
+    """Give every registered shape a route for `rows` rows: this process's, else this
+    machine's stored one, else one measured now (and stored for the other processes)."""
+    weights = _live_weights()
+    shapes = {(w.shape[0], w.shape[1]) for w in weights}
+    missing = {s for s in shapes if (*s, rows, threads) not in _routes}
+    if missing:
+        try:
+            with _locked(routes_path(threads)) as stored:
+                _adopt(stored, rows, threads, missing, weights)
+        except OSError as exc:  # a read-only home still serves; other processes may differ
+            log.warning("cannot share fp32 routes: %s", exc)
+            _adopt({}, rows, threads, missing, weights)
     _measured.add((rows, threads))
 
 
+def _adopt(
+    stored: dict[str, str],
+    rows: int,
+    threads: int,
+    missing: set[tuple[int, int]],
+    weights: list[torch.Tensor],
+) -> None:
+    calls = _calls(rows)
+    unknown = set()
+    for shape in missing:
+        route = stored.get(f"{shape[0]}x{shape[1]},{rows}")
+        if route in calls:
+            _routes[(*shape, rows, threads)] = route
+        else:
+            unknown.add(shape)
+    if unknown:
+        for shape, route in _measure(rows, weights).items():
+            if shape in unknown:
+                _routes[(*shape, rows, threads)] = route
+                stored[f"{shape[0]}x{shape[1]},{rows}"] = route
+
+
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` for fp32 `weight` [out, in], by the call measured fastest here."""
+    """`x @ weight.T` for fp32 `weight` [out, in], by the call chosen for it here."""
     if x.dim() != 2 or x.shape[0] > SMALL_ROWS or x.device.type != "cpu":
         return F.linear(x, weight)
-    rows, threads = x.shape[0], torch.get_num_threads()
-    if (rows, threads) not in _measured:
-        _measure(rows, threads)
-    route = _routes.get((weight.shape[0], weight.shape[1], rows, threads), "linear")
+    key = (weight.shape[0], weight.shape[1], x.shape[0], torch.get_num_threads())
+    route = _routes.get(key)
+    if route is None:
+        if (key[2], key[3]) not in _measured:
+            _settle(key[2], key[3])
+        route = _routes.get(key, "linear")  # a weight never registered
     return _CALLS[route](x, weight)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.model.fp32_route import fp32_linear, register
+from shared.model.fp32_route import aligned, fp32_linear, register
 
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
@@ -62,7 +62,8 @@ class Linear:
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         if fmt == "fp32":
-            self.fp32 = weight.contiguous()
+            # Aligned: where a file's layout put the weight must not change its products' bits.
+            self.fp32 = aligned(weight)
             register(self.fp32)
         if fmt == "bf16":
             self.bf16 = weight.to(torch.bfloat16).contiguous()

@@ -1,13 +1,40 @@
-"""The fp32 GEMM route: every call it may choose computes x @ W.T, the choice is measured per
-weight shape and row count, and what is not measured (or not small) goes through `linear`."""
+"""The fp32 GEMM route: every call it may choose computes x @ W.T, with the same bits wherever
+the weight was loaded from; the choice is measured once per weight shape and row count on a
+machine, kept for the process, shared with the machine's other processes through a file, and
+what is not measured (or not small) goes through `linear`."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from shared.model import fp32_route
 from shared.model.linear import Linear
+
+
+@pytest.fixture
+def fresh_routes(monkeypatch, tmp_path):
+    """This process has chosen nothing, and the machine's routes file is a new one."""
+    monkeypatch.setattr(fp32_route, "_routes", {})
+    monkeypatch.setattr(fp32_route, "_measured", set())
+    monkeypatch.setattr(fp32_route, "_weights", [])
+    path = tmp_path / "routes.json"
+    monkeypatch.setattr(fp32_route, "routes_path", lambda threads: path)
+    return path
+
+
+def _fake_timing(monkeypatch, seconds: dict[str, float]) -> list[int]:
+    """Each call takes the given time on every weight; returns a counter of passes timed."""
+    passes = [0]
+
+    def fake_pass(call, weights, xs):
+        passes[0] += 1
+        name = next(n for n, c in fp32_route._calls(1).items() if c is call)
+        return {(w.shape[0], w.shape[1]): seconds[name] for w in weights}
+
+    monkeypatch.setattr(fp32_route, "_pass_seconds", fake_pass)
+    return passes
 
 
 def test_every_call_computes_the_same_product():
@@ -22,14 +49,40 @@ def test_every_call_computes_the_same_product():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_routes_are_measured_once_per_row_count_over_registered_weights():
+def test_every_call_gives_the_same_bits_wherever_the_weight_was_loaded():
+    # A weight read from a file can start 4 bytes past an aligned address; MKL computes other
+    # bits for it. Aligned at load, it gives exactly what the same weight in fresh memory does.
+    torch.manual_seed(4)
+    w = torch.randn(384, 576)
+    buffer = torch.empty(w.numel() + 32)
+    offset = next(i for i in range(1, 32) if (buffer.data_ptr() + 4 * i) % 64 != 0)
+    from_file = buffer[offset : offset + w.numel()].view_as(w)
+    from_file.copy_(w)
+    assert from_file.data_ptr() % 64 != 0
+    loaded = Linear(from_file, "fp32")
+    fresh = Linear(w.clone(), "fp32")
+    assert loaded.fp32 is not None and loaded.fp32.data_ptr() % fp32_route.ALIGNMENT == 0
+    assert torch.equal(loaded.fp32, w)
+    for rows in range(1, 6):
+        x = torch.randn(rows, 576)
+        for name, call in fp32_route._calls(rows).items():
+            assert torch.equal(call(x, loaded.fp32), call(x, fresh.fp32)), (name, rows)
+        assert torch.equal(loaded(x), fresh(x)), rows
+
+
+def test_an_aligned_weight_is_not_copied():
+    w = torch.randn(16, 8)
+    assert w.data_ptr() % fp32_route.ALIGNMENT == 0
+    assert fp32_route.aligned(w) is w
+
+
+def test_routes_are_settled_once_per_row_count_over_registered_weights(fresh_routes):
     torch.manual_seed(1)
     layer = Linear(torch.randn(80, 48), "fp32")  # registers its weight
     x = torch.randn(3, 48)
     torch.testing.assert_close(layer(x), F.linear(x, layer.fp32), rtol=1e-5, atol=1e-5)
     threads = torch.get_num_threads()
     key = (80, 48, 3, threads)
-    assert key in fp32_route._routes
     assert fp32_route._routes[key] in fp32_route._calls(3)
     assert (3, threads) in fp32_route._measured
     assert f"80x48, 3 rows, {threads} threads" in fp32_route.measured_routes()
@@ -37,42 +90,57 @@ def test_routes_are_measured_once_per_row_count_over_registered_weights():
     assert "paired" in fp32_route._calls(1) and "paired" not in fp32_route._calls(3)
 
 
-def test_the_faster_call_is_kept(monkeypatch):
+def test_the_faster_call_is_kept_and_shared_with_the_machines_other_processes(
+    fresh_routes, monkeypatch
+):
     torch.manual_seed(2)
     layer = Linear(torch.randn(40, 24), "fp32")
-    slow = {"linear": 3.0, "weight-stationary": 1.0, "paired": 2.0}
-
-    def fake_pass(call, weights, xs):
-        name = next(n for n, c in fp32_route._calls(1).items() if c is call)
-        return {(w.shape[0], w.shape[1]): slow[name] for w in weights}
-
-    monkeypatch.setattr(fp32_route, "_pass_seconds", fake_pass)
-    monkeypatch.setattr(fp32_route, "_measured", set())
-    monkeypatch.setattr(fp32_route, "_routes", {})
+    _fake_timing(monkeypatch, {"linear": 3.0, "weight-stationary": 1.0, "paired": 2.0})
     x = torch.randn(1, 24)
     torch.testing.assert_close(layer(x), F.linear(x, layer.fp32), rtol=1e-5, atol=1e-5)
-    assert fp32_route._routes[(40, 24, 1, torch.get_num_threads())] == "weight-stationary"
+    threads = torch.get_num_threads()
+    assert fp32_route._routes[(40, 24, 1, threads)] == "weight-stationary"
+    # Another process on this machine: it reads the choice instead of timing its own.
+    monkeypatch.setattr(fp32_route, "_routes", {})
+    monkeypatch.setattr(fp32_route, "_measured", set())
+    passes = _fake_timing(monkeypatch, {"linear": 1.0, "weight-stationary": 3.0, "paired": 2.0})
+    layer(x)
+    assert passes[0] == 0
+    assert fp32_route._routes[(40, 24, 1, threads)] == "weight-stationary"
 
 
-def test_large_batches_and_unmeasured_shapes_take_linear(monkeypatch):
-    monkeypatch.setattr(fp32_route, "_measure", lambda rows, threads: None)
-    w = torch.randn(16, 8)  # never registered: no route for its shape
-    x = torch.randn(2, 8)
-    monkeypatch.setattr(fp32_route, "_measured", {(2, torch.get_num_threads())})
-    torch.testing.assert_close(fp32_route.fp32_linear(x, w), F.linear(x, w))
-    big = torch.randn(fp32_route.SMALL_ROWS + 1, 8)
-    torch.testing.assert_close(fp32_route.fp32_linear(big, w), F.linear(big, w))
-
-
-def test_a_new_shape_is_measured_again_with_the_rest():
+def test_a_route_once_chosen_is_never_changed(fresh_routes, monkeypatch):
     torch.manual_seed(3)
     first = Linear(torch.randn(72, 40), "fp32")
+    _fake_timing(monkeypatch, {"linear": 3.0, "weight-stationary": 1.0, "paired": 2.0})
     x = torch.randn(2, 40)
     first(x)
     threads = torch.get_num_threads()
     assert (2, threads) in fp32_route._measured
-    second = Linear(torch.randn(56, 40), "fp32")  # a shape nothing measured yet
+    # A shape nothing chose a route for: settled again, and now `linear` times faster; the
+    # new shape takes it, the old one keeps its route (its products keep their bits).
+    second = Linear(torch.randn(56, 40), "fp32")
     assert (2, threads) not in fp32_route._measured
+    _fake_timing(monkeypatch, {"linear": 1.0, "weight-stationary": 3.0, "paired": 2.0})
     torch.testing.assert_close(second(x), F.linear(x, second.fp32), rtol=1e-5, atol=1e-5)
-    assert (56, 40, 2, threads) in fp32_route._routes
-    assert (72, 40, 2, threads) in fp32_route._routes
+    assert fp32_route._routes[(56, 40, 2, threads)] == "linear"
+    assert fp32_route._routes[(72, 40, 2, threads)] == "weight-stationary"
+
+
+def test_an_unwritable_cache_still_routes(fresh_routes, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(fp32_route, "routes_path", lambda threads: blocker / "routes.json")
+    layer = Linear(torch.randn(32, 16), "fp32")
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.fp32), rtol=1e-5, atol=1e-5)
+    assert (32, 16, 2, torch.get_num_threads()) in fp32_route._routes
+
+
+def test_large_batches_and_unregistered_weights_take_linear(fresh_routes):
+    w = torch.randn(16, 8)  # never registered: no route for its shape
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(fp32_route.fp32_linear(x, w), F.linear(x, w))
+    assert (16, 8, 2, torch.get_num_threads()) not in fp32_route._routes
+    big = torch.randn(fp32_route.SMALL_ROWS + 1, 8)
+    torch.testing.assert_close(fp32_route.fp32_linear(big, w), F.linear(big, w))
