@@ -50,12 +50,10 @@ LIBRARY_KV_CACHE_DTYPE: KVCacheDtype = "float32"
 SPECULATIVE_METHOD: Final = "none"
 NUM_SPECULATIVE_TOKENS = 4
 # A draft head's chain stops before the guess at which the head's own estimate that the chain
-# is accepted (the product of its top probabilities) falls below a cutoff. None: the cutoff is
-# priced by this machine's measured step costs (`HeadDraftProposer.chain_price`): what one more
-# verify row and head step cost, over what a plain step pays per token. A fixed 0.3 had been
-# measured best on an AVX-512 EPYC where a 2-row verify step cost 1.5x a plain one; with the
-# fp32 route on an AVX2 EPYC it costs less than a plain one, so that cutoff turned 253 of 476
-# chat steps into plain steps that a guess would have made for free.
-DRAFT_MIN_CONFIDENCE: float | None = None
+# is accepted (the product of its top probabilities) falls below this. Measured with
+# `splitserve bench spec` on the chat set (fp32, b1, k=4): 0 -> 0.98x, 0.3 -> 1.25x,
+# 0.5 -> 1.17x of plain decoding: a doubted guess costs a verify row and a head step and is
+# seldom kept.
+DRAFT_MIN_CONFIDENCE = 0.3
 NGRAM_MAX = 4
 NGRAM_MIN = 1

@@ -23,12 +23,11 @@ class SpeculativeConfig(BaseModel):
     draft_path: str | None = Field(
         None, description="trained draft file; None = the default location beside the model"
     )
-    draft_min_confidence: float | None = Field(
+    draft_min_confidence: float = Field(
         defaults.DRAFT_MIN_CONFIDENCE,
         ge=0.0,
         le=1.0,
-        description="a draft head's chain stops where its own acceptance estimate falls below "
-        "this; unset: below what one more verify row costs here, by measured step costs",
+        description="a draft head's chain stops where its own acceptance estimate falls below",
     )
     ngram_max: int = Field(defaults.NGRAM_MAX, ge=1, le=16)
     ngram_min: int = Field(defaults.NGRAM_MIN, ge=1, le=16)

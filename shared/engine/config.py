@@ -45,7 +45,7 @@ class EngineConfig:
     speculative_method: SpecMethod = defaults.SPECULATIVE_METHOD
     num_speculative_tokens: int = defaults.NUM_SPECULATIVE_TOKENS
     draft_path: str | None = None  # None = draft_path_for(model)
-    draft_min_confidence: float | None = defaults.DRAFT_MIN_CONFIDENCE  # None: priced
+    draft_min_confidence: float = defaults.DRAFT_MIN_CONFIDENCE
     ngram_max: int = defaults.NGRAM_MAX
     ngram_min: int = defaults.NGRAM_MIN
 
@@ -87,7 +87,7 @@ class EngineConfig:
                 f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
             )
-        if self.draft_min_confidence is not None and not 0.0 <= self.draft_min_confidence <= 1.0:
+        if not 0.0 <= self.draft_min_confidence <= 1.0:
             raise ValueError(
                 f"draft_min_confidence must be in 0..1, got {self.draft_min_confidence}"
             )

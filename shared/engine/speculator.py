@@ -63,7 +63,6 @@ class Speculator:
         # Acceptance is tracked per n-gram match length ("ngram:3"): set with the drafts, read at
         # record.
         self._alpha_keys: dict[str, str] = {}
-        self._price_chains(draft)
 
     def install_draft(self, draft: DraftProposer, version: str) -> None:
         """Serve `draft` from the next step on (engine thread, between steps: no sequence
@@ -74,22 +73,6 @@ class Speculator:
         self.stats.draft_unavailable = None
         self._draft_cost = None
         self.acceptance = AcceptanceTracker()
-        self._price_chains(draft)
-
-    def _price_chains(self, draft: DraftProposer | None) -> None:
-        """A draft head whose chain cutoff is left to measurement prices it here."""
-        if draft is not None and hasattr(draft, "chain_price"):
-            if getattr(draft, "min_chain_confidence", 0.0) is None:
-                draft.chain_price = self.chain_price
-
-    def chain_price(self, rows: int, step: int) -> float:
-        """The acceptance estimate at which guess `step` (from 0) of `rows` greedy chains pays
-        for itself: it adds `rows` query tokens to the verify step and one head step, against
-        a plain step's worth of time per token it is expected to keep."""
-        cost = self.cost
-        added = cost.cost(rows * (step + 2)) - cost.cost(rows * (step + 1))
-        drafting = self._draft_cost if self._draft_cost is not None else PRIOR_DRAFT_COST
-        return min(1.0, max(0.0, (added + drafting) / cost.cost(rows)))
 
     def set_calibration(self, measure: Callable[[], dict[int, float]]) -> None:
         """Run once before the first adaptive decision: step seconds by query tokens."""
@@ -101,8 +84,7 @@ class Speculator:
 
     def attach_drafts(self, running: list[Sequence]) -> None:
         """Attach drafts to the decoding sequences in ``running`` (clearing stale ones)."""
-        priced = self.draft is not None and getattr(self.draft, "chain_price", None) is not None
-        if self._calibrate is not None and (self.method == "adaptive" or priced):
+        if self._calibrate is not None and self.method == "adaptive":
             for n, seconds in self._calibrate().items():
                 self.cost.observe(n, seconds)
             self._calibrate = None
@@ -226,9 +208,7 @@ class Speculator:
         requests = [DraftRequest(c.seq.request_id, c.seq.token_ids, c.k) for c in choices]
         start = time.perf_counter()
         drafts = self.draft.propose(requests, [not c.seq.params.is_greedy for c in choices])
-        # Per head (or draft) step taken: a chain that stopped early took fewer than k.
-        steps = max(1, max((len(d) for d in drafts), default=1))
-        per_token = (time.perf_counter() - start) / steps
+        per_token = (time.perf_counter() - start) / max(c.k for c in choices)
         self._draft_cost = (
             per_token if self._draft_cost is None else 0.8 * self._draft_cost + 0.2 * per_token
         )

@@ -15,7 +15,6 @@ true one and are overwritten by the next true pairs, never attended before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,17 +49,15 @@ class HeadDraftProposer:
         target_vocab_size: int,
         seed: int = 0,
         version: str = "untracked",
-        min_chain_confidence: float | None = 0.0,
+        min_chain_confidence: float = 0.0,
     ):
         self.head = head.eval().requires_grad_(False)
         # A greedy row's chain ends before the guess at which the product of the head's own
         # top probabilities (its estimate that the chain so far is accepted, as in EAGLE-2)
         # falls below this: a guess the head doubts costs a verify row and a head step and
         # is seldom kept. 0 drafts the full chain. Sampled rows always draft the full chain
-        # (their q must stay the head's distribution for every proposed position). None:
-        # the cutoff is `chain_price(rows, step)`, set by the engine from measured step costs.
+        # (their q must stay the head's distribution for every proposed position).
         self.min_chain_confidence = min_chain_confidence
-        self.chain_price: Callable[[int, int], float] | None = None
         self.version = version  # the head file's content hash (stats, /metrics)
         self.vocab_ids = vocab_ids.long()  # head id -> target id
         self.target_vocab_size = target_vocab_size
@@ -111,13 +108,6 @@ class HeadDraftProposer:
             fed=0,
             kv=BatchKV.empty(c, 1, max(64, 2 * n)),
         )
-
-    def _cutoff(self, rows: int, step: int) -> float:
-        """The acceptance estimate below which guess `step` (from 0) of `rows` chains is
-        not worth its verify row."""
-        if self.min_chain_confidence is not None:
-            return self.min_chain_confidence
-        return self.chain_price(rows, step) if self.chain_price is not None else 0.0
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], sampling: list[bool]) -> list[Draft]:
@@ -176,11 +166,10 @@ class HeadDraftProposer:
                 choice = torch.where(torch.tensor(want_q), drawn, choice)
             tokens.append(choice)
             probs.append(q)
-            confidence = confidence * top
-            cutoff = self._cutoff(len(reqs), step)
-            if cutoff > 0.0:
+            if self.min_chain_confidence > 0.0:
+                confidence = confidence * top
                 for row in range(len(reqs)):
-                    doubt = float(confidence[row]) < cutoff
+                    doubt = float(confidence[row]) < self.min_chain_confidence
                     if doubt and not want_q[row] and lengths[row] > step:
                         lengths[row] = step
                 if all(n <= step + 1 for n in lengths):

@@ -14,7 +14,6 @@ import torch
 from services.commands import draft_cmd
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.speculator import Speculator
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
@@ -249,7 +248,6 @@ def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
             speculative_method="draft",
             num_speculative_tokens=4,
             draft_path=str(out),
-            draft_min_confidence=0.0,  # every chain in full: this tests serving, not the cutoff
         ),
         model=tiny_model,
         kv_salt=fingerprint.encode(),
@@ -297,48 +295,6 @@ def test_a_doubtful_chain_stops_early_and_the_output_stays_plain(
     assert kept_short / short > kept_full / full
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_a_priced_chain_follows_the_measured_step_costs_and_the_output_stays_plain(
-    tiny_model, plain, head_file, batch
-):
-    prompts, expected = plain
-    drafted = {}
-    # Flat: a verify row costs nothing more, so only the head step prices a guess. Steep: one
-    # more query token costs two plain steps, so no guess the head can make is worth its row.
-    for name, per_token in (("flat", 0.0), ("steep", 0.02)):
-        head = _head(tiny_model, head_file)
-        head.min_chain_confidence = None
-        engine = _engine(tiny_model, "draft", head, num_speculative_tokens=8)
-        assert head.chain_price == engine.speculator.chain_price
-        costs = {n: 0.01 + per_token * (n - 1) for n in range(1, 257)}
-        engine.speculator.set_calibration(lambda costs=costs: costs)
-        engine.speculator.observe_step = lambda num_tokens, seconds: None
-        got = []
-        for i in range(0, len(prompts), batch):
-            got += checked_run(engine, prompts[i : i + batch], GREEDY)
-        assert got == expected, name
-        stats = engine.spec_stats()
-        drafted[name] = stats["by_method"].get("draft", {}).get("draft_tokens", 0)
-        if name == "steep":
-            assert stats["verify_steps"] == 0 and stats["plain_steps"] > 0
-    assert drafted["flat"] > 0 and drafted["steep"] == 0
-
-
-def test_the_chain_price_is_a_rows_added_cost_over_a_plain_steps_worth():
-    speculator = Speculator(EngineConfig(num_blocks=8, block_size=4), 64)
-    measured = {1: 0.100, 2: 0.100, 3: 0.120, 4: 0.200, 6: 0.260, 8: 0.400, 16: 2.000}
-    for n, seconds in measured.items():
-        speculator.cost.observe(n, seconds)
-    speculator._draft_cost = 0.004
-    # One chain: its first guess adds a free row (2 tokens cost what 1 does) and a head step.
-    assert speculator.chain_price(1, 0) == pytest.approx(0.04)
-    assert speculator.chain_price(1, 1) == pytest.approx((0.020 + 0.004) / 0.100)
-    # Two chains' second guesses: 4 -> 6 query tokens, against a 2-row plain step.
-    assert speculator.chain_price(2, 1) == pytest.approx((0.060 + 0.004) / 0.100)
-    # Dearer than the tokens it could keep: no acceptance estimate reaches it.
-    assert speculator.chain_price(1, 10) == 1.0
-
-
 def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
     from shared.engine.speculator_build import load_draft_file
 
@@ -349,15 +305,6 @@ def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
         config, str(head_file.path), FINGERPRINT, TINY_CONFIG.vocab_size, tiny_model
     )
     assert why is None and proposer.min_chain_confidence == 0.45
-    # Unset, the cutoff is priced by the engine's measured step costs.
-    priced, why = load_draft_file(
-        EngineConfig(num_blocks=64, block_size=4, speculative_method="draft"),
-        str(head_file.path),
-        FINGERPRINT,
-        TINY_CONFIG.vocab_size,
-        tiny_model,
-    )
-    assert why is None and priced.min_chain_confidence is None
     with pytest.raises(ValueError, match="draft_min_confidence must be in 0..1"):
         EngineConfig(num_blocks=64, block_size=4, draft_min_confidence=1.5)
 
