@@ -197,7 +197,9 @@ def _settle(rows: int, threads: int) -> None:
                 _adopt(stored, rows, threads, missing, weights)
         except OSError as exc:  # a read-only home still serves; other processes may differ
             log.warning("cannot share fp32 routes: %s", exc)
-            _adopt({}, rows, threads, missing, weights)
+            # What was adopted before the failure (a full disk at the write) is kept.
+            left = {s for s in missing if (*s, rows, threads) not in _routes}
+            _adopt({}, rows, threads, left, weights)
     _measured.add((rows, threads))
 
 
