@@ -116,7 +116,7 @@ def run(
     max_tokens: int | None = None,
     draft_path: str | None = None,
     head_path: str | None = None,
-    head_minutes: float = 10.0,
+    head_minutes: float = 14.0,
     methods: tuple[str, ...] = METHODS,
     sets_wanted: tuple[str, ...] = SETS,
     log: Callable[[str], None] = print,
@@ -152,8 +152,11 @@ def run(
             tokenizer,
             Path(path).stem,
             earlier,
-            reply_tokens,
+            # Longer than the timed history's replies: more of what a head learns from,
+            # cheap at the replay's batch size (the timed prompts do not change).
+            32 if quick else 128,
             24 if quick else None,
+            32 if quick else 160,
         )
         log(f"[bench] {replayed[0]} replayed turns logged to {log_path} in {replayed[1]:.0f} s")
         head = train_bench_head(

@@ -3,9 +3,12 @@ of chat traffic the bench replays itself, never on the replies it times.
 
 The log holds (1) the earlier turns of the bench's chat conversations with the target's own
 replies (the replay load_prompt_sets runs anyway; the timed prompts are the *last* turns,
-whose replies are never logged) and (2) the bundled persona chat prompts
-(shared/speculative/data/draft_prompts.jsonl) with the target's greedy replies: app-like
-traffic, written through the same TrainingLogWriter the coordinator uses.
+whose replies are never logged), (2) the bundled persona chat prompts
+(shared/speculative/data/draft_prompts.jsonl) and (3) editing-app requests
+(editing_tasks.py: copy-with-edits traffic like the timed grounded set, on other texts), each
+with the target's greedy replies: app-like traffic, written through the same
+TrainingLogWriter the coordinator uses. Without (3) the head learnt chat only and lost on
+grounded (0.91x, session 9); a copying reply is where a head's chains run longest.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.bench.editing_tasks import editing_conversations
 from shared.engine.engine import Engine
 from shared.model.gguf_file import Checkpoint
 from shared.model.llama import LlamaModel
@@ -59,18 +63,27 @@ def write_replay_log(
     earlier_turns: list[tuple[list[int], list[int]]],
     reply_tokens: int,
     max_prompts: int | None = None,
+    editing_tokens: int | None = None,
 ) -> tuple[int, float]:
-    """The training log of replayed traffic; returns (turns logged, replay wall seconds)."""
+    """The training log of replayed traffic; returns (turns logged, replay wall seconds).
+    `editing_tokens` caps the editing replies (default `reply_tokens`): they copy a whole
+    passage, so they run longer than a chat reply."""
     log_path.unlink(missing_ok=True)
     writer = TrainingLogWriter(log_path, 1.0)
     writer.write([LoggedTurn(model_id, "default", p, r) for p, r in earlier_turns])
-    prompts = load_prompts(DEFAULT_PROMPTS, tokenizer)[:max_prompts]
-    start = time.monotonic()
-    replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=reply_tokens))
-    seconds = time.monotonic() - start
-    writer.write(
-        [LoggedTurn(model_id, "default", p, r) for p, r in zip(prompts, replies, strict=True)]
-    )
+    seconds = 0.0
+    chat = load_prompts(DEFAULT_PROMPTS, tokenizer)[:max_prompts]
+    editing = [
+        tokenizer.encode(tokenizer.apply_chat_template(c))
+        for c in editing_conversations(max_prompts)
+    ]
+    for prompts, cap in ((chat, reply_tokens), (editing, editing_tokens or reply_tokens)):
+        start = time.monotonic()
+        replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cap))
+        seconds += time.monotonic() - start
+        writer.write(
+            [LoggedTurn(model_id, "default", p, r) for p, r in zip(prompts, replies, strict=True)]
+        )
     return writer.written, seconds
 
 

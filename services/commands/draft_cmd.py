@@ -68,6 +68,13 @@ def add_command(sub) -> None:
         default=None,
         help="with --from-log: use only records of this model id (default: every record)",
     )
+    t.add_argument(
+        "--precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16"),
+        help="with --from-log: the head's training arithmetic (auto: time a step of each "
+        "here and keep the faster; bf16 runs under autocast with fp32 master weights)",
+    )
     t.set_defaults(handler=run_train)
     g = draft_sub.add_parser(
         "gate",
@@ -186,7 +193,11 @@ def run_train_head(args: argparse.Namespace) -> int:
     fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
     out = args.out or trained_head_path(path)
     config = HeadTrainConfig(
-        max_minutes=args.max_minutes, vocab_size=args.vocab_size, lr=args.lr, seed=args.seed
+        max_minutes=args.max_minutes,
+        vocab_size=args.vocab_size,
+        lr=args.lr,
+        seed=args.seed,
+        precision=args.precision,
     )
     stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
     _stderr(f"[head] {len(conversations)} logged conversations from {args.from_log}")
@@ -198,7 +209,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     print(
         f"{report.path} ({size_mb:.1f} MB): held-out first-guess agreement "
         f"{report.initial_agreement:.3f} -> {report.heldout_agreement:.3f} after {report.steps} "
-        f"steps on {report.train_tokens} reply tokens ({report.elapsed_s / 60:.1f} CPU-min)"
+        f"steps on {report.train_tokens} reply tokens ({report.elapsed_s / 60:.1f} CPU-min, "
+        f"{report.extra['precision']})"
     )
     return 0
 

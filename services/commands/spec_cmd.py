@@ -29,7 +29,7 @@ def add_bench(kinds) -> None:
         "traffic, --head-minutes of CPU)",
     )
     # Measured: held-out first-guess agreement 0.447 after 8 CPU-minutes, still rising.
-    spec.add_argument("--head-minutes", type=float, default=10.0, help="CPU minutes to train it")
+    spec.add_argument("--head-minutes", type=float, default=14.0, help="CPU minutes to train it")
     spec.add_argument(
         "--methods",
         default=",".join(METHODS),

@@ -1,0 +1,98 @@
+"""The head trainer's arithmetic: `auto` times a real step in fp32 and under bf16 autocast on
+this machine and keeps the faster one; a pinned precision is used as given and still trains
+(the loss falls), and the choice is recorded in the head file's stats."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from services.commands import draft_cmd
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
+from shared.sampling.params import SamplingParams
+from shared.speculative.draft_data import build_vocab, target_to_draft_map
+from shared.speculative.head_file import read_head
+from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from shared.speculative.head_train import (
+    HeadTrainConfig,
+    choose_precision,
+    target_states,
+    train_head,
+)
+from tests.spec_helpers import motif_prompts
+
+FINGERPRINT = "tiny-test-tokenizer"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def conversations(tiny_model):
+    prompts = motif_prompts(6, seed=5)
+    engine = Engine(EngineConfig(num_blocks=200), model=tiny_model)
+    replies = engine.generate(prompts, GREEDY)
+    return [(p + r, len(p)) for p, r in zip(prompts, replies, strict=True)]
+
+
+def _config(**overrides) -> HeadTrainConfig:
+    base = dict(max_minutes=2, max_steps=60, vocab_size=256, window=64, lr=1e-2)
+    return HeadTrainConfig(**(base | overrides))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_pinned_precision_trains_and_is_recorded(conversations, tmp_path, precision):
+    report = train_head(
+        tiny_checkpoint(seed=0),
+        conversations,
+        tmp_path / "h.pt",
+        FINGERPRINT,
+        config=_config(precision=precision),
+        log=lambda _: None,
+    )
+    assert report.extra["precision"] == precision and report.extra["step_seconds"] == {}
+    assert report.extra["final_train_loss"] < 0.75 * report.extra["initial_train_loss"]
+    assert read_head(report.path, FINGERPRINT, TINY_CONFIG.vocab_size).stats["precision"] == (
+        precision
+    )
+
+
+def test_auto_times_both_and_keeps_the_faster(conversations):
+    checkpoint = tiny_checkpoint(seed=0)
+    config = _config()
+    samples = target_states(checkpoint, conversations, config.top_k, lambda: False, lambda _: None)
+    vocab = build_vocab([s.teacher for s in samples], 256, [])
+    head = DraftHead(head_config(TINY_CONFIG, len(vocab)))
+    init_head_from_checkpoint(head, checkpoint.tensors)
+    t = checkpoint.tensors
+    head.attach_target(t["embed_tokens"], t["embed_tokens"][vocab])
+    to_head = target_to_draft_map(vocab, TINY_CONFIG.vocab_size)
+    chosen, timings = choose_precision(head, samples, to_head, config, random.Random(0))
+    assert set(timings) == {"fp32", "bf16"} and min(timings.values()) > 0
+    # bf16 only when it is clearly (the margin) faster: a near tie keeps fp32's accuracy.
+    assert chosen == ("bf16" if timings["bf16"] * 1.15 < timings["fp32"] else "fp32")
+    # The timing steps leave no gradient behind to leak into the first optimizer step.
+    assert all(p.grad is None for p in head.parameters())
+
+
+def test_an_unknown_precision_is_refused(conversations, tmp_path):
+    with pytest.raises(ValueError, match="precision must be one of"):
+        train_head(
+            tiny_checkpoint(seed=0),
+            conversations,
+            tmp_path / "h.pt",
+            FINGERPRINT,
+            config=_config(precision="fp8"),
+            log=lambda _: None,
+        )
+
+
+def test_the_cli_refuses_an_unknown_precision(capsys):
+    parser = argparse.ArgumentParser(prog="splitserve")
+    draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["draft", "train", "--from-log", "x.jsonl", "--precision", "fp8"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
