@@ -976,6 +976,9 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + 8 * i, acc[i]);
           }
         }
+        /* The inner loop steps a whole tile: from a range that starts mid-block it overshoots
+         * the block's end, and the next block must start at the boundary, not past it. */
+        t = stop;
       }
       continue;
     }
