@@ -17,6 +17,9 @@ from kernels.attention_metadata import AttentionMetadata
 
 class AttentionKernel(ABC):
     name: str
+    # Whether `meta.trees` (draft-tree query rows: tree positions and ancestor masks) are
+    # honoured; the engine drafts chains only where they are not.
+    supports_trees: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute per-step state into `meta.kernel_state` (called once per step)."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_kernel import AttentionKernel, write_kv
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, tree_depths, tree_visibility
 
 # Sequences with at most this many new tokens share the padded batch.
 BATCHED_MAX_QUERY = 16
@@ -57,7 +57,9 @@ def _causal_mask(
 
 
 def _windowed(group: _BatchedGroup, window: int) -> torch.Tensor:
-    """The group's mask narrowed to a sliding window; padding rows keep their key 0."""
+    """The group's mask narrowed to a sliding window; padding rows keep their key 0. Keys are
+    slot positions, which a draft tree's nodes do not occupy in order: the speculator never
+    drafts trees for a model with sliding-window layers."""
     k_pos = torch.arange(group.ctx_max, device=group.mask.device)
     q_pos = group.q_pos[:, None, :, None, None]
     inside = k_pos > q_pos - window
@@ -67,8 +69,15 @@ def _windowed(group: _BatchedGroup, window: int) -> torch.Tensor:
 
 class TorchPagedAttention(AttentionKernel):
     name = "torch"
+    supports_trees = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.has_trees and any(
+            q > BATCHED_MAX_QUERY
+            for q, t in zip(meta.query_lens, meta.trees or [], strict=True)
+            if t
+        ):
+            raise ValueError(f"a draft tree has at most {BATCHED_MAX_QUERY - 1} nodes")
         starts = [0]
         for q in meta.query_lens:
             starts.append(starts[-1] + q)
@@ -199,7 +208,15 @@ def _batched_group(rows: list[int], meta: AttentionMetadata, starts: list[int]) 
         q_pos[row, :q_len] = torch.arange(ctx - q_len, ctx)
         used = meta.block_tables[i][: (ctx + meta.block_size - 1) // meta.block_size]
         table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        mask[row, :q_len, :ctx] = _causal_mask(q_len, ctx, torch.device("cpu"))
+        tree = meta.tree(i)
+        if tree is None:
+            mask[row, :q_len, :ctx] = _causal_mask(q_len, ctx, torch.device("cpu"))
+        else:
+            # The context before the first query token, then the tree's own ancestry. The
+            # ancestors' keys keep their order (parents precede children), as a chain's do.
+            mask[row, :q_len, : ctx - q_len] = True
+            mask[row, :q_len, ctx - q_len : ctx] = tree_visibility(tree)
+            q_pos[row, 1:q_len] = ctx - q_len + torch.tensor(tree_depths(tree))
         # Padding query rows see key 0 so softmax stays finite; their output is dropped.
         mask[row, q_len:, 0] = True
     dev = meta.device

@@ -48,6 +48,47 @@ class OracleProposer:
         pass
 
 
+class TreeOracleProposer(OracleProposer):
+    """Proposes draft trees around the known continuation: at each depth a decoy sibling
+    before or after the true node (and a decoy child under the decoy), the true path cut
+    every `wrong_every`-th call at a varying depth, so that accepted paths run through
+    first, middle and last children and stop at every depth."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3):
+        super().__init__(continuations, wrong_every)
+        self.rng = random.Random(5)
+
+    def propose(self, requests: list[DraftRequest], sampling: list[bool]) -> list[Draft]:
+        drafts = []
+        for req in requests:
+            self.calls += 1
+            truth = self._continuation(req.token_ids)
+            cut = len(truth)
+            if self.wrong_every and truth and self.calls % self.wrong_every == 0:
+                cut = self.calls % len(truth)
+            tokens: list[int] = []
+            parents: list[int] = []
+            node = -1
+            for depth, token in enumerate(truth[: req.max_tokens]):
+                decoy = (token + 1 + depth) % 500
+                order = ["decoy", "true"] if self.rng.random() < 0.5 else ["true", "decoy"]
+                placed: dict[str, int] = {}
+                for kind in order:
+                    if kind == "true" and depth >= cut:
+                        continue
+                    tokens.append(decoy if kind == "decoy" else token)
+                    parents.append(node)
+                    placed[kind] = len(tokens) - 1
+                tokens.append((decoy + 7) % 500)  # a child of the decoy
+                parents.append(placed["decoy"])
+                if "true" not in placed:
+                    break
+                node = placed["true"]
+            n = min(len(tokens), req.max_tokens)
+            drafts.append(Draft(tokens[:n], None, tuple(parents[:n])) if n else Draft([]))
+        return drafts
+
+
 class FixedQProposer:
     """Draws every draft token from one fixed distribution q over the vocabulary."""
 

@@ -83,6 +83,19 @@ def declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.ss_forward.restype = ctypes.c_int
+    lib.ss_forward_tree.argtypes = [
+        ctypes.POINTER(Model),
+        ctypes.POINTER(KV),
+        ctypes.c_int,
+        ctypes.c_void_p,  # tokens
+        ctypes.c_void_p,  # positions
+        ctypes.c_void_p,  # tree_base
+        ctypes.c_void_p,  # tree_slots
+        ctypes.c_int,  # tree_width
+        ctypes.c_void_p,  # out
+        ctypes.c_int,
+    ]
+    lib.ss_forward_tree.restype = ctypes.c_int
     lib.ss_linear_forward.argtypes = [
         ctypes.POINTER(Linear),
         ctypes.c_void_p,

@@ -639,6 +639,11 @@ typedef struct {
   int rows;
   const int64_t *tokens;
   const int32_t *positions;
+  /* Draft trees (NULL: none). Row r's logical positions t >= tree_base[r] live in the slots
+   * tree_slots[r * tree_width + t - tree_base[r]] (its own included): a tree node attends to
+   * its ancestors, which sit in the slots of other rows of the step, not at t. */
+  const int32_t *tree_base, *tree_slots;
+  int tree_width;
   float *out; /* [rows, hidden] final-normed hidden states */
   /* scratch */
   float *x, *h, *qkv, *attn, *gu, *act, *tmp, *xsum, *scores, *parts;
@@ -689,6 +694,17 @@ static inline size_t kv_index(const step_ctx *c, int layer, int which, int row, 
   size_t per_layer = (size_t)2 * bs * hkv * d;
   return ((size_t)block * m->num_layers + layer) * per_layer + (size_t)which * bs * hkv * d +
          ((size_t)(pos % bs) * hkv + head) * d;
+}
+
+/* The KV slot of row r's logical position t: t itself, or the tree slot it was given. */
+static inline int slot_of(const step_ctx *c, int r, int t) {
+  if (c->tree_base && t >= c->tree_base[r]) return c->tree_slots[(size_t)r * c->tree_width + (t - c->tree_base[r])];
+  return t;
+}
+
+/* Where row r's remapped (tree) positions start: past its context when it has none. */
+static inline int tree_start(const step_ctx *c, int r) {
+  return c->tree_base ? c->tree_base[r] : c->positions[r] + 1;
 }
 
 static void store_half(uint16_t *dst, const float *src, int d) {
@@ -856,8 +872,35 @@ static inline void prefetch_block(const void *base, size_t index, int count, int
     for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* Scores of the group's heads at one position (element index k): the arithmetic the block walk
+ * gives that position (each lane of scores16 / scores8 is its own dot), so a tree row's
+ * remapped positions score exactly as they will once they are ordinary context. */
+static inline __attribute__((always_inline)) void score_position(const step_ctx *c, const float *q, const void *base,
+                                                                 size_t k, int group, float *out, int n, const int half) {
+  const ss_model *m = c->m;
+  int d = m->head_dim;
+#if SS_AVX512
+  if (d == 64) {
+    for (int j = 0; j < group; j++) scores16(q + j * d, base, k, 0, 1, m->scale, out + j * n, half);
+    return;
+  }
+#elif SS_AVX2
+  if (d == 64) {
+    float wide[64];
+    widen_rows(base, k, 0, 1, half, wide);
+    for (int j = 0; j < group; j++) scores8(q + j * d, wide, 1, m->scale, out + j * n);
+    return;
+  }
+#endif
+  for (int j = 0; j < group; j++)
+    out[j * n] = (half ? dot_f16(q + j * d, (const uint16_t *)base + k, d) : dot_f32(q + j * d, (const float *)base + k, d)) *
+                 m->scale;
+}
+
 /* One attention pass over either element type; `half` is a literal at both call sites, so
- * each gets its own loop without a per-element branch. */
+ * each gets its own loop without a per-element branch. A range's positions below the row's
+ * tree start are walked block by block; a tree row's remapped positions after them one at a
+ * time, in the same order and with the same per-position arithmetic. */
 static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, int layer, int tid, int nth,
                                                                   const int half) {
   const ss_model *m = c->m;
@@ -872,20 +915,21 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
     int r = item_row(c, item), ctx = c->positions[r] + 1, splits = attn_splits(ctx, nth);
     int local = item - c->item_offsets[r], g = local / splits, sp = local % splits;
     int t0 = (int)((int64_t)sp * ctx / splits), t1 = (int)((int64_t)(sp + 1) * ctx / splits);
-    int n = t1 - t0;
+    int n = t1 - t0, tree = tree_start(c, r);
+    int tm = tree < t0 ? t0 : (tree < t1 ? tree : t1); /* [t0, tm) in place, [tm, t1) remapped */
     const float *q = c->qkv + (size_t)r * qkv_width + (size_t)g * group * d;
     const int bs = c->kv->block_size, slot_stride = hkv * d;
-    {
+    if (tm > t0) {
       /* The V rows of the range's first block too: they are read right after the scores. */
-      int first = (t0 / bs + 1) * bs < t1 ? (t0 / bs + 1) * bs - t0 : t1 - t0;
+      int first = (t0 / bs + 1) * bs < tm ? (t0 / bs + 1) * bs - t0 : tm - t0;
       prefetch_block(base, kv_index(c, layer, 1, r, t0, g), first, slot_stride, d, half);
     }
     /* Positions are walked block by block: one table lookup per block, not per position. */
-    for (int t = t0; t < t1;) {
-      int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+    for (int t = t0; t < tm;) {
+      int stop = (t / bs + 1) * bs < tm ? (t / bs + 1) * bs : tm;
       size_t k = kv_index(c, layer, 0, r, t, g);
-      if (stop < t1) {
-        int next = t1 - stop < bs ? t1 - stop : bs;
+      if (stop < tm) {
+        int next = tm - stop < bs ? tm - stop : bs;
         prefetch_block(base, kv_index(c, layer, 0, r, stop, g), next, slot_stride, d, half);
       }
 #if SS_AVX512
@@ -917,6 +961,8 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
               (half ? dot_f16(q + j * d, (const uint16_t *)base + k, d) : dot_f32(q + j * d, (const float *)base + k, d)) *
               m->scale;
     }
+    for (int t = tm; t < t1; t++)
+      score_position(c, q, base, kv_index(c, layer, 0, r, slot_of(c, r, t), g), group, scores + (t - t0), n, half);
     float *part = c->parts + (size_t)item * part_stride;
     for (int j = 0; j < group; j++) {
       float *sj = scores + j * n, best = max_of(sj, n);
@@ -931,10 +977,10 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
       for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
       for (int t = t0; t < t1;) {
-        int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-        size_t v = kv_index(c, layer, 1, r, t, g);
-        if (stop < t1) {
-          int next = t1 - stop < bs ? t1 - stop : bs;
+        int stop = t >= tm ? t + 1 : ((t / bs + 1) * bs < tm ? (t / bs + 1) * bs : tm);
+        size_t v = kv_index(c, layer, 1, r, slot_of(c, r, t), g);
+        if (t < tm && stop < tm) {
+          int next = tm - stop < bs ? tm - stop : bs;
           prefetch_block(base, kv_index(c, layer, 1, r, stop, g), next, slot_stride, d, half);
         }
         for (; t < stop; t++, v += slot_stride) {
@@ -956,10 +1002,10 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
 #elif SS_AVX2
     if (d == 64) { /* per block: V rows widened once, each head's 64 outputs in registers */
       for (int t = t0; t < t1;) {
-        int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-        size_t v = kv_index(c, layer, 1, r, t, g);
-        if (stop < t1) {
-          int next = t1 - stop < bs ? t1 - stop : bs;
+        int stop = t >= tm ? t + 1 : ((t / bs + 1) * bs < tm ? (t / bs + 1) * bs : tm);
+        size_t v = kv_index(c, layer, 1, r, slot_of(c, r, t), g);
+        if (t < tm && stop < tm) {
+          int next = tm - stop < bs ? tm - stop : bs;
           prefetch_block(base, kv_index(c, layer, 1, r, stop, g), next, slot_stride, d, half);
         }
         for (; t < stop; t += AVX2_ROWS, v += (size_t)AVX2_ROWS * slot_stride) {
@@ -976,16 +1022,14 @@ static inline __attribute__((always_inline)) void attention_typed(step_ctx *c, i
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + 8 * i, acc[i]);
           }
         }
-        /* The inner loop steps a whole tile: from a range that starts mid-block it overshoots
-         * the block's end, and the next block must start at the boundary, not past it. */
         t = stop;
       }
       continue;
     }
 #endif
     for (int t = t0; t < t1;) {
-      int stop = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-      size_t v = kv_index(c, layer, 1, r, t, g);
+      int stop = t >= tm ? t + 1 : ((t / bs + 1) * bs < tm ? (t / bs + 1) * bs : tm);
+      size_t v = kv_index(c, layer, 1, r, slot_of(c, r, t), g);
       for (; t < stop; t++, v += slot_stride)
         for (int j = 0; j < group; j++) {
           float w = scores[j * n + (t - t0)];
@@ -1060,9 +1104,10 @@ static void step_job(void *arg, int tid, int nth) {
       int pos = c->positions[r];
       const float *cs = m->rope_cos + (size_t)pos * d, *sn = m->rope_sin + (size_t)pos * d;
       for (int h = 0; h < hq + hkv; h++) rope(row + h * d, cs, sn, d);
+      int slot = slot_of(c, r, pos);
       for (int h = 0; h < hkv; h++) {
-        kv_store(c, kv_index(c, l, 0, r, pos, h), row + (hq + h) * d, d);
-        kv_store(c, kv_index(c, l, 1, r, pos, h), row + (hq + hkv + h) * d, d);
+        kv_store(c, kv_index(c, l, 0, r, slot, h), row + (hq + h) * d, d);
+        kv_store(c, kv_index(c, l, 1, r, slot, h), row + (hq + hkv + h) * d, d);
       }
     }
     barrier_wait(&c->barrier, nth, &sense);
@@ -1112,17 +1157,30 @@ static int check_linear(const ss_linear *w) {
   return -1;
 }
 
-/* Returns 0, or a negative code: -1 bad argument, -2 out of memory. */
-int ss_forward(const ss_model *m, const ss_kv *kv, int rows, const int64_t *tokens,
-               const int32_t *positions, float *out, int nth) {
+static int slot_fits(const ss_kv *kv, int slot) { return slot >= 0 && slot / kv->block_size < kv->max_blocks; }
+
+/* Rows verifying a draft tree: row r's logical positions t >= tree_base[r] (up to its own,
+ * positions[r], which RoPE uses) are read from, and its own K/V written to, the slots
+ * tree_slots[r * tree_width + t - tree_base[r]]; a row without a tree has tree_base[r] =
+ * positions[r] + 1. NULL arrays: no trees (ss_forward).
+ * Returns 0, or a negative code: -1 bad argument, -2 out of memory. */
+int ss_forward_tree(const ss_model *m, const ss_kv *kv, int rows, const int64_t *tokens, const int32_t *positions,
+                    const int32_t *tree_base, const int32_t *tree_slots, int tree_width, float *out, int nth) {
   if (rows <= 0 || m->head_dim > 512 || m->num_heads % m->num_kv_heads) return -1;
   if (kv->dtype != SS_KV_F32 && kv->dtype != SS_KV_F16) return -1;
   if (!m->embed && (!m->embed_quants || !m->embed_scales || m->hidden % QK)) return -1;
+  if ((tree_base == NULL) != (tree_slots == NULL) || (tree_base && tree_width < 1)) return -1;
   int max_ctx = 0;
   for (int r = 0; r < rows; r++) {
     if (positions[r] < 0 || positions[r] >= m->max_pos || tokens[r] < 0 || tokens[r] >= m->vocab)
       return -1;
-    if (positions[r] / kv->block_size >= kv->max_blocks) return -1;
+    if (!slot_fits(kv, positions[r])) return -1;
+    if (tree_base) {
+      int b = tree_base[r], used = positions[r] + 1 - b;
+      if (b < 0 || used < 0 || used > tree_width) return -1;
+      for (int i = 0; i < used; i++)
+        if (!slot_fits(kv, tree_slots[(size_t)r * tree_width + i])) return -1;
+    }
     if (positions[r] + 1 > max_ctx) max_ctx = positions[r] + 1;
   }
   for (int l = 0; l < m->num_layers; l++) {
@@ -1154,7 +1212,15 @@ int ss_forward(const ss_model *m, const ss_kv *kv, int rows, const int64_t *toke
   size_t acts_floats = (acts_bytes(rows, widest_in) + sizeof(float) - 1) / sizeof(float);
   float *scratch = (float *)malloc((total + acts_floats) * sizeof(float));
   if (!scratch) return -2;
-  step_ctx c = {.m = m, .kv = kv, .rows = rows, .tokens = tokens, .positions = positions, .out = out};
+  step_ctx c = {.m = m,
+               .kv = kv,
+               .rows = rows,
+               .tokens = tokens,
+               .positions = positions,
+               .tree_base = tree_base,
+               .tree_slots = tree_slots,
+               .tree_width = tree_width,
+               .out = out};
   float **slots[] = {&c.x, &c.h, &c.qkv, &c.attn, &c.gu, &c.act, &c.tmp, &c.xsum, &c.scores, &c.parts};
   float *p = scratch;
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
@@ -1177,6 +1243,11 @@ int ss_forward(const ss_model *m, const ss_kv *kv, int rows, const int64_t *toke
   free(offsets);
   free(scratch);
   return 0;
+}
+
+int ss_forward(const ss_model *m, const ss_kv *kv, int rows, const int64_t *tokens, const int32_t *positions,
+               float *out, int nth) {
+  return ss_forward_tree(m, kv, rows, tokens, positions, NULL, NULL, 0, out, nth);
 }
 
 /* ---------------------------------------------------------------- the output head */

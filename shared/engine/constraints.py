@@ -14,7 +14,7 @@ from shared.grammar.compiler import DEFAULT_CACHE_SIZE, GrammarCompiler, Grammar
 from shared.grammar.state import GrammarState
 from shared.sampling.params import SamplingParams
 from shared.sampling.structured import StructuredOutput
-from shared.speculative.proposer import Draft
+from shared.speculative.tree import main_chain
 from shared.tokenizer.tokenizer import Tokenizer
 
 PARAM = "response_format"
@@ -97,8 +97,8 @@ def fit_drafts_to_grammar(running: list[Sequence]) -> None:
         draft = seq.draft
         if seq.grammar is None or draft is None or not len(draft):
             continue
+        draft = seq.draft = main_chain(draft)  # a grammar follows one path: no trees here
         n = seq.grammar.valid_prefix(draft.token_ids)
         if n == len(draft):
             continue
-        probs = draft.probs[:n] if draft.probs is not None else None
-        seq.draft = Draft(draft.token_ids[:n], probs) if n else None
+        seq.draft = draft.prefix(n) if n else None

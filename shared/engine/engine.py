@@ -30,6 +30,7 @@ from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParamError, SamplingParams
 from shared.speculative.calibrate import measure_step_costs
 from shared.speculative.proposer import DraftProposer
+from shared.speculative.tree import compaction
 from shared.speculative.verify import Verified
 from shared.tokenizer.tokenizer import Tokenizer
 from shared.wire.records import WorkerLoad
@@ -397,8 +398,13 @@ class Engine:
             self._release_outside_window(seq)
         if result.verified is not None:
             logprobs = result.verified_logprobs or {}
+            starts = {
+                id(s): r for s, r in zip(batch.scheduled, result.row_starts or [], strict=False)
+            }
             for row, (item, done) in enumerate(zip(result.sampled, result.verified, strict=True)):
                 if item.num_draft:
+                    if done.nodes is not None:
+                        self._compact_tree(item, done.nodes, result.hidden, starts.get(id(item)))
                     self._settle_verified(item, done)
                 out = self._append_tokens(item.seq, done.token_ids, logprobs.get(row))
                 outputs[item.seq.request_id] = out
@@ -430,6 +436,29 @@ class Engine:
         prompt's blocks, and the receiver registers each as real KV."""
         if seq.num_computed_tokens > seq.num_prompt_tokens and seq.table is not None:
             self.blocks.release_outside_window(seq.table, seq.num_computed_tokens)
+
+    def _compact_tree(
+        self,
+        item: ScheduledSeq,
+        nodes: list[int],
+        hidden: torch.Tensor | None,
+        first_row: int | None,
+    ) -> None:
+        """Move a verified tree's accepted nodes to the slots (and hidden-state rows) a chain
+        of the same tokens occupies, so that what follows sees the cache a chain leaves."""
+        moves = compaction(nodes)
+        if not moves:
+            return
+        seq = item.seq
+        assert seq.table is not None
+        root = seq.num_computed_tokens  # the last sampled token's slot
+        self.pool.move_slots(
+            seq.table.attention_block_ids(), [(root + a, root + b) for a, b in moves]
+        )
+        if hidden is not None and first_row is not None:
+            with torch.inference_mode():  # the step's states are inference tensors
+                for a, b in moves:
+                    hidden[first_row + b] = hidden[first_row + a]
 
     def _settle_verified(self, item: ScheduledSeq, done: Verified) -> None:
         """Keep the KV of the last token and the accepted drafts; roll back the rest."""

@@ -152,12 +152,14 @@ class ModelRunner:
         ids: list[int] = []
         for item in items:
             ids.extend(self._new_token_ids(item))
+        trees = [_tree_of(s) for s in items]
         meta = AttentionMetadata(
             query_lens=[s.num_tokens for s in items],
             context_lens=[s.seq.num_computed_tokens + s.num_tokens for s in items],
             block_tables=[s.seq.table.attention_block_ids() for s in items],
             block_size=self.block_size,
             device=self.device,
+            trees=trees if any(t is not None for t in trees) else None,
         )
         ids_tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self.model.forward_path(ids_tensor, meta, self.pool, decode)
@@ -247,3 +249,11 @@ class ModelRunner:
             TokenLogprob(token, value, top)
             for token, value, top in zip(targets, chosen.squeeze(-1).tolist(), tops, strict=True)
         ]
+
+
+def _tree_of(item: ScheduledSeq) -> tuple[int, ...] | None:
+    """The parents of the draft tree this row verifies, or None (a chain, or no draft)."""
+    draft = item.seq.draft
+    if not item.num_draft or draft is None or not draft.is_tree:
+        return None
+    return draft.parents

@@ -163,8 +163,7 @@ class Scheduler:
             seq.draft = None
             return 0
         if k < len(seq.draft.token_ids):
-            probs = seq.draft.probs[:k] if seq.draft.probs is not None else None
-            seq.draft = type(seq.draft)(seq.draft.token_ids[:k], probs)
+            seq.draft = seq.draft.prefix(k)
         return k
 
     def _grow(self, seq: Sequence, n: int, queue: list[Sequence], out: StepBatch) -> bool:

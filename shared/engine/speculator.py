@@ -26,6 +26,7 @@ from shared.speculative.adaptive import (
 from shared.speculative.ngram import NgramProposer
 from shared.speculative.proposer import Draft, DraftProposer, DraftRequest
 from shared.speculative.stats import SpecStats
+from shared.speculative.tree import main_chain
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,13 @@ class Speculator:
         max_model_len: int,
         draft: DraftProposer | None = None,
         draft_unavailable: str | None = None,
+        trees: bool = False,
     ):
         self.method = config.speculative_method
         self.max_k = min(config.num_speculative_tokens, MAX_VERIFY_DRAFTS)
         self.max_model_len = max_model_len
+        # Whether verify steps may carry draft trees (the model's decode path honours them).
+        self.trees = trees
         self.ngram = NgramProposer(config.ngram_max, config.ngram_min)
         self.draft = draft
         self.stats = SpecStats(method=self.method, draft_unavailable=draft_unavailable)
@@ -152,6 +156,10 @@ class Speculator:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _may_tree(self, seq: Sequence) -> bool:
+        """A tree is verified for greedy rows without a grammar, on a model that can."""
+        return self.trees and seq.params.is_greedy and seq.grammar is None
+
     def _room(self, seq: Sequence) -> int:
         """Drafts this sequence may take: 0 unless it is decoding and can use them."""
         if seq.num_pending_tokens != 1 or not seq.output_token_ids or seq.params.logprobs:
@@ -214,6 +222,7 @@ class Speculator:
         )
         for choice, draft in zip(choices, drafts, strict=True):
             if len(draft) > choice.k:  # a proposer must not exceed max_tokens; trust but trim
-                probs = draft.probs[: choice.k] if draft.probs is not None else None
-                draft = Draft(draft.token_ids[: choice.k], probs)
+                draft = draft.prefix(choice.k)
+            if draft.is_tree and not self._may_tree(choice.seq):
+                draft = main_chain(draft)
             choice.seq.draft, choice.seq.draft_method = draft, "draft"

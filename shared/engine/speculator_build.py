@@ -35,7 +35,8 @@ def build_speculator(
         draft, reason = _load_draft(config, model_path, tokenizer_fingerprint, vocab_size, target)
         if reason is not None:
             log.warning("speculative decoding without a draft model (n-gram only): %s", reason)
-    speculator = Speculator(config, max_model_len, draft, reason)
+    trees = target is not None and target.verifies_trees
+    speculator = Speculator(config, max_model_len, draft, reason, trees)
     speculator.stats.draft_version = getattr(draft, "version", None)
     return speculator
 

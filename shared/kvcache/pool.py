@@ -89,6 +89,16 @@ class KVPool:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
         return self.tensor.index_select(0, index)
 
+    def move_slots(self, block_ids: list[int], moves: list[tuple[int, int]]) -> None:
+        """Copy the K/V of every layer from position `src` to position `dst` of the sequence
+        whose blocks are `block_ids`, for each (src, dst) in order (a verified draft tree's
+        accepted nodes moving to the slots a chain would have used)."""
+        bs = self.layout.block_size
+        for src, dst in moves:
+            self.tensor[block_ids[dst // bs], :, :, dst % bs] = self.tensor[
+                block_ids[src // bs], :, :, src % bs
+            ]
+
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         if data.shape[1:] != self.tensor.shape[1:] or data.shape[0] != len(block_ids):
             raise ValueError(

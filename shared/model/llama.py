@@ -275,21 +275,32 @@ class LlamaModel:
         if fmt is not None:
             return self.forward(input_ids, meta, kv, fmt)
         assert self.native is not None
-        positions: list[int] = []
         tables: list[list[int]] = []
         width = max(len(t) for t in meta.block_tables)
-        for q_len, ctx, table in zip(
-            meta.query_lens, meta.context_lens, meta.block_tables, strict=True
-        ):
-            positions.extend(range(ctx - q_len, ctx))
+        for q_len, table in zip(meta.query_lens, meta.block_tables, strict=True):
             tables.extend([table + [0] * (width - len(table))] * q_len)
+        positions = meta.token_positions()
+        tree_base = tree_slots = None
+        if meta.has_trees:
+            tree_base, tree_slots = _tree_slots(meta, positions)
         return self.native.forward(
             input_ids.numpy().astype(np.int64, copy=False),
             np.asarray(positions, dtype=np.int32),
             np.asarray(tables, dtype=np.int32).reshape(len(positions), width),
             kv.tensor,
             meta.block_size,
+            tree_base,
+            tree_slots,
         )
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether a verify step may carry draft trees: the decode path's attention honours
+        tree masks (the native step and the torch kernel do) and no layer slides a window
+        (a window is counted in slots, which tree nodes do not fill in position order)."""
+        if any(self.config.window(i) is not None for i in range(self.config.num_layers)):
+            return False
+        return self.torch_path(decode=True) is None or self.attention.supports_trees
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor:
@@ -315,3 +326,26 @@ class LlamaModel:
                         a + b for a, b in zip(load.get(i, [0] * len(counts)), counts, strict=True)
                     ]
         return load
+
+
+def _tree_slots(meta: AttentionMetadata, positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The native step's view of the step's draft trees: per row, the position from which
+    its context is remapped (past its own for rows without a tree) and the slots of its
+    remapped positions, i.e. of the root and of each ancestor down to the row itself."""
+    rows = len(positions)
+    width = max(len(t) + 1 for t in meta.trees or [] if t is not None)
+    base = np.asarray(positions, dtype=np.int32) + 1
+    slots = np.zeros((rows, width), dtype=np.int32)
+    row = 0
+    for seq, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        tree = meta.tree(seq)
+        if tree is not None:
+            root = ctx - q_len  # the first query token's position, and its slot
+            lines: list[list[int]] = [[root]]
+            for node, parent in enumerate(tree):
+                lines.append(lines[parent + 1] + [root + 1 + node])
+            base[row : row + q_len] = root
+            for i, line in enumerate(lines):
+                slots[row + i, : len(line)] = line
+        row += q_len
+    return base, slots

@@ -315,6 +315,10 @@ class NativeStep:
         block_tables: np.ndarray,  # int32 [rows, max_blocks]: each row's sequence's blocks
         cache: torch.Tensor,  # the KV pool tensor (fp32 or fp16, block-major)
         block_size: int,
+        # Draft trees (decode_step.c, ss_forward_tree): int32 [rows] where each row's
+        # remapped positions start, and int32 [rows, width] their slots.
+        tree_base: np.ndarray | None = None,
+        tree_slots: np.ndarray | None = None,
     ) -> torch.Tensor:  # [rows, hidden] final-normed hidden states
         rows = int(token_ids.shape[0])
         out = torch.empty((rows, self.config.hidden_size), dtype=torch.float32)
@@ -324,12 +328,16 @@ class NativeStep:
         kv = abi.KV(
             cache.data_ptr(), block_size, block_tables.shape[1], block_tables.ctypes.data, kind, 0
         )
-        code = self.lib.ss_forward(
+        trees = tree_base is not None and tree_slots is not None
+        code = self.lib.ss_forward_tree(
             ctypes.byref(self.model),
             ctypes.byref(kv),
             rows,
             token_ids.ctypes.data,
             positions.ctypes.data,
+            tree_base.ctypes.data if trees else None,  # type: ignore[union-attr]
+            tree_slots.ctypes.data if trees else None,  # type: ignore[union-attr]
+            tree_slots.shape[1] if trees else 0,  # type: ignore[union-attr]
             out.data_ptr(),
             self.threads,
         )

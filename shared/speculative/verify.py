@@ -6,7 +6,9 @@ exactly as plain decoding would process it after the drafts before j were emitte
 penalties over the output so far, temperature, top-k/p, min-p — so:
 
 - greedy: accept the longest run where draft == target argmax, then the target's argmax at the
-  first mismatch (or after the last draft). Output is plain decoding's, token for token.
+  first mismatch (or after the last draft). Output is plain decoding's, token for token. A
+  draft tree (greedy rows only) is walked from its root the same way, following at each node
+  the child that carries the target's token (shared/speculative/tree.py).
 - sampling: accept draft d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
   rejection draw from norm(max(p_j - q_j, 0)); after k acceptances draw from p_k. The emitted
   tokens are distributed as the target's (Leviathan et al. 2023). Random numbers come from the
@@ -24,6 +26,7 @@ from shared.sampling.params import SamplingParams
 from shared.sampling.sampler import Sampler, probabilities
 from shared.sampling.token_mask import TokenMask
 from shared.speculative.proposer import Draft
+from shared.speculative.tree import accept_greedy, path_tokens
 
 
 @dataclass
@@ -39,6 +42,9 @@ class VerifyInput:
 class Verified:
     token_ids: list[int]  # accepted drafts followed by one target token
     num_accepted: int
+    # A tree draft's accepted nodes, root side first (their KV is moved to a chain's slots);
+    # None for a chain, whose accepted drafts are its first num_accepted.
+    nodes: list[int] | None = None
 
 
 def verify(
@@ -71,7 +77,7 @@ def verify(
     for it in items:
         for j in range(len(it.draft) + 1):
             rows_params.append(it.params)
-            rows_out.append(it.output_token_ids + it.draft.token_ids[:j])
+            rows_out.append(it.output_token_ids + path_tokens(it.draft, j - 1))
             rows_prompt.append(it.prompt_token_ids)
     row_batch = SamplingBatch.build(
         rows_params, [None] * len(rows_params), rows_out, rows_prompt, logits.device
@@ -112,10 +118,15 @@ def _accept_greedy(items: list[VerifyInput], targets: list[int]) -> list[Verifie
     for it in items:
         k = len(it.draft)
         mine = targets[offset : offset + k + 1]
-        accepted = 0
-        while accepted < k and it.draft.token_ids[accepted] == mine[accepted]:
-            accepted += 1
-        out.append(Verified(it.draft.token_ids[:accepted] + [mine[accepted]], accepted))
+        if it.draft.is_tree:
+            nodes, last = accept_greedy(it.draft, mine)
+            tokens = [it.draft.token_ids[n] for n in nodes]
+            out.append(Verified(tokens + [last], len(nodes), nodes))
+        else:
+            accepted = 0
+            while accepted < k and it.draft.token_ids[accepted] == mine[accepted]:
+                accepted += 1
+            out.append(Verified(it.draft.token_ids[:accepted] + [mine[accepted]], accepted))
         offset += k + 1
     return out
 
