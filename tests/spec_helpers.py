@@ -145,3 +145,18 @@ def pin_step_costs(engine, seconds: float = 0.01) -> None:
     noise at test sizes, so its choices then depend on acceptance only and nothing timed."""
     engine.speculator.set_calibration(lambda: {n: seconds for n in range(1, 257)})
     engine.speculator.observe_step = lambda num_tokens, seconds: None
+
+
+def verified_drafts(engine) -> list[tuple[bool, Draft]]:
+    """(greedy?, draft) of every row the engine verifies from now on."""
+    seen: list[tuple[bool, Draft]] = []
+    run = engine.runner.run
+
+    def spy(scheduled, want):
+        for item in scheduled:
+            if item.num_draft and item.seq.draft is not None:
+                seen.append((item.seq.params.is_greedy, item.seq.draft))
+        return run(scheduled, want)
+
+    engine.runner.run = spy
+    return seen

@@ -424,10 +424,78 @@ static inline void split(int n, int tid, int nth, int *begin, int *end) {
  * y[r, o] = sum_i W[o, i] * x[r, i] for outputs o in [o0, o1). Rows go eight at a time so a
  * weight block is decoded once per eight rows. */
 
+#if SS_AVX2
+/* fp32 weights over several rows: a pair of outputs and six rows form a tile whose twelve
+ * sums stay in registers, so each weight vector loaded feeds six FMAs and each input vector
+ * two. A verify step of k + 1 rows then costs arithmetic, not k more passes over the
+ * weights (a bandwidth-bound step's whole price). Each (row, output) sum is the very
+ * sequence dot_f32 computes (one accumulator over the vectors in order, then its tail), so
+ * a row's bits never depend on the rows beside it. */
+#define F32_TILE_ROWS 6
+#if SS_AVX512
+#define F32_STEP 16
+typedef __m512 f32_vec;
+static inline f32_vec f32_zero(void) { return _mm512_setzero_ps(); }
+static inline f32_vec f32_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline f32_vec f32_fma(f32_vec a, f32_vec b, f32_vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float f32_sum(f32_vec v) { return _mm512_reduce_add_ps(v); }
+#else
+#define F32_STEP 8
+typedef __m256 f32_vec;
+static inline f32_vec f32_zero(void) { return _mm256_setzero_ps(); }
+static inline f32_vec f32_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline f32_vec f32_fma(f32_vec a, f32_vec b, f32_vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float f32_sum(f32_vec v) { return hsum8(v); }
+#endif
+
+/* y[r, o..o+1] for the nr rows r0..r0+nr-1 (nr <= 6 a literal at each call: every size
+ * gets its own register-resident loop). */
+static inline __attribute__((always_inline)) void f32_tile(const float *W, const float *x, int in, int out, int o,
+                                                          int r0, float *y, const int nr) {
+  const float *w0 = W + (size_t)o * in, *w1 = w0 + in, *xr = x + (size_t)r0 * in;
+  f32_vec a0[F32_TILE_ROWS], a1[F32_TILE_ROWS];
+  for (int r = 0; r < nr; r++) a0[r] = a1[r] = f32_zero();
+  int i = 0;
+  for (; i + F32_STEP <= in; i += F32_STEP) {
+    f32_vec v0 = f32_load(w0 + i), v1 = f32_load(w1 + i);
+    for (int r = 0; r < nr; r++) {
+      f32_vec xv = f32_load(xr + (size_t)r * in + i);
+      a0[r] = f32_fma(v0, xv, a0[r]);
+      a1[r] = f32_fma(v1, xv, a1[r]);
+    }
+  }
+  for (int r = 0; r < nr; r++) {
+    float t0 = f32_sum(a0[r]), t1 = f32_sum(a1[r]);
+    for (int j = i; j < in; j++) {
+      t0 += w0[j] * xr[(size_t)r * in + j];
+      t1 += w1[j] * xr[(size_t)r * in + j];
+    }
+    y[(size_t)(r0 + r) * out + o] = t0;
+    y[(size_t)(r0 + r) * out + o + 1] = t1;
+  }
+}
+#endif
+
 static void linear_f32(const ss_linear *w, const float *x, int rows, float *y, int o0, int o1) {
   const float *W = (const float *)w->data;
-  int in = w->in_features, out = w->out_features;
-  for (int o = o0; o < o1; o++)
+  int in = w->in_features, out = w->out_features, o = o0;
+#if SS_AVX2
+  if (rows > 1) {
+    for (; o + 2 <= o1; o += 2) { /* the pair's weights stay in L1 across the row tiles */
+      int r0 = 0;
+      for (; r0 + F32_TILE_ROWS <= rows; r0 += F32_TILE_ROWS) f32_tile(W, x, in, out, o, r0, y, F32_TILE_ROWS);
+      switch (rows - r0) {
+        case 5: f32_tile(W, x, in, out, o, r0, y, 5); break;
+        case 4: f32_tile(W, x, in, out, o, r0, y, 4); break;
+        case 3: f32_tile(W, x, in, out, o, r0, y, 3); break;
+        case 2: f32_tile(W, x, in, out, o, r0, y, 2); break;
+        case 1: f32_tile(W, x, in, out, o, r0, y, 1); break;
+        default: break;
+      }
+    }
+  }
+#endif
+  for (; o < o1; o++)
     for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = dot_f32(W + (size_t)o * in, x + (size_t)r * in, in);
 }
 

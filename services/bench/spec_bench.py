@@ -5,6 +5,8 @@ persona, and `grounded`, work whose answer copies from its input (edit, summaris
 Every method runs on the same loaded weights with the same prompts, greedy, at batch 1 (the
 prompts one after another) and batch 8 (all together); `speedup` divides by `none` from the
 same run, and `identical_greedy` checks the outputs equal plain decoding's token for token.
+The methods take turns prompt by prompt (batch 8: twice over the batch, in alternating
+order), so that the machine's drifting speed falls on every method alike.
 
 tok/s counts decode steps only (steps with no prompt work in them): prefill is the same for
 every method and would only dilute the ratio that speculation changes.
@@ -106,6 +108,32 @@ def decode_run(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     return outputs, tokens, seconds
 
 
+def interleaved_runs(
+    engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams, batch: int
+) -> dict[str, tuple[list[list[int]], int, float]]:
+    """Per method: outputs, and decode tokens and seconds summed over its runs. The methods
+    take turns on each group of `batch` prompts (the order reversed every other group), and
+    a set that is a single group is run twice: this VM's speed drifts by 20-30% over tens
+    of seconds, which method-after-method timing turned into differences between methods."""
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    rounds = 2 if len(groups) == 1 else 1
+    outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
+    tokens = dict.fromkeys(engines, 0)
+    seconds = dict.fromkeys(engines, 0.0)
+    turn = 0
+    for round_ in range(rounds):
+        for group in groups:
+            order = list(engines) if turn % 2 == 0 else list(reversed(engines))
+            turn += 1
+            for method in order:
+                outs, n, dt = decode_run(engines[method], group, params, batch)
+                if round_ == 0:
+                    outputs[method] += outs
+                tokens[method] += n
+                seconds[method] += dt
+    return {m: (outputs[m], tokens[m], seconds[m]) for m in engines}
+
+
 def run(
     weights: str = "fp32",
     model_path: str | None = None,
@@ -120,10 +148,15 @@ def run(
     methods: tuple[str, ...] = METHODS,
     sets_wanted: tuple[str, ...] = SETS,
     log: Callable[[str], None] = print,
+    tree_width: int = EngineConfig().draft_tree_width,
+    min_confidence: float = EngineConfig().draft_min_confidence,
 ) -> dict:
     """``quick``: 4 prompts per set, 32 new tokens; the last two override (smoke tests).
     ``head_path``: the head for method `head`; None trains one on the replayed traffic
-    (``head_minutes`` CPU minutes) and reports how under `head_training`."""
+    (``head_minutes`` CPU minutes) and reports how under `head_training`. Where a head is
+    measured, `adaptive` drafts with it too (it is the draft a pool would be given), with
+    n-gram guesses merged into its trees; `draft` stays the distilled standalone draft.
+    ``tree_width`` and ``min_confidence``: the head's tree and cutoff (engine defaults)."""
     if "none" not in methods:
         methods = ("none", *methods)  # every speedup divides by it
     torch.set_num_threads(threads)
@@ -176,6 +209,8 @@ def run(
         "threads": threads,
         "max_tokens": max_tokens,
         "num_speculative_tokens": k,
+        "draft_tree_width": tree_width,
+        "draft_min_confidence": min_confidence,
         "sets": {},
         "acceptance_histograms": {},
     }
@@ -187,9 +222,9 @@ def run(
         result["head_training"] = {"path": head_path, "size_bytes": size, "stats": stats}
     for set_name, prompts in sets.items():
         for batch in BATCHES:
-            plain: list[list[int]] | None = None
-            plain_rate = 0.0
+            engines = {}
             for method in methods:
+                uses_head = method == "head" or (method == "adaptive" and head_path is not None)
                 config = EngineConfig(
                     model=path,
                     weights=weights,  # type: ignore[arg-type]
@@ -197,15 +232,20 @@ def run(
                     num_threads=threads,
                     speculative_method="draft" if method == "head" else method,  # type: ignore[arg-type]
                     num_speculative_tokens=k,
-                    draft_path=head_path if method == "head" else draft_path,
+                    draft_path=head_path if uses_head else draft_path,
+                    draft_tree_width=tree_width,
+                    draft_min_confidence=min_confidence,
                 )
-                engine = Engine(config, model=model, tokenizer=tokenizer)
-                decode_run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)
-                outputs, tokens, seconds = decode_run(engine, prompts, params, batch)
-                stats = engine.spec_stats()
+                engines[method] = Engine(config, model=model, tokenizer=tokenizer)
+                warm = SamplingParams(temperature=0.0, max_tokens=8)
+                decode_run(engines[method], prompts[:1], warm, 1)
+            timed = interleaved_runs(engines, prompts, params, batch)
+            plain, plain_tokens, plain_seconds = timed["none"]
+            plain_rate = plain_tokens / plain_seconds if plain_seconds else 0.0
+            for method in methods:
+                outputs, tokens, seconds = timed[method]
+                stats = engines[method].spec_stats()
                 rate = tokens / seconds if seconds else 0.0
-                if method == "none":
-                    plain, plain_rate = outputs, rate
                 entry = {
                     "tok_s": round(rate, 2),
                     "mean_accepted": stats["mean_accepted"] if method != "none" else 1.0,

@@ -98,6 +98,7 @@ class WorkerRuntime:
             num_speculative_tokens=spec.num_speculative_tokens,
             draft_path=spec.draft_path,
             draft_min_confidence=spec.draft_min_confidence,
+            draft_tree_width=spec.draft_tree_width,
             ngram_max=spec.ngram_max,
             ngram_min=spec.ngram_min,
         )

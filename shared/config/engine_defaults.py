@@ -58,5 +58,9 @@ NUM_SPECULATIVE_TOKENS = 4
 # 1.09x (b1) and 0.62x (b8) against 1.14x and 0.88x with 0.3: the head's own top
 # probabilities are too rough an acceptance estimate to price a row with, so 0.3 stays.
 DRAFT_MIN_CONFIDENCE = 0.3
+# A draft head drafts a tree for greedy rows when this is above 1: at each depth its
+# `width` likeliest nodes are extended by their `width` likeliest next tokens
+# (shared/speculative/tree.py). 1 drafts chains.
+DRAFT_TREE_WIDTH = 1
 NGRAM_MAX = 4
 NGRAM_MIN = 1

@@ -29,6 +29,13 @@ class SpeculativeConfig(BaseModel):
         le=1.0,
         description="a draft head's chain stops where its own acceptance estimate falls below",
     )
+    draft_tree_width: int = Field(
+        defaults.DRAFT_TREE_WIDTH,
+        ge=1,
+        le=4,
+        description="a draft head's tree: nodes extended per depth and tokens per node "
+        "(1 = chains); greedy rows only",
+    )
     ngram_max: int = Field(defaults.NGRAM_MAX, ge=1, le=16)
     ngram_min: int = Field(defaults.NGRAM_MIN, ge=1, le=16)
 

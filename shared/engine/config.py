@@ -46,6 +46,7 @@ class EngineConfig:
     num_speculative_tokens: int = defaults.NUM_SPECULATIVE_TOKENS
     draft_path: str | None = None  # None = draft_path_for(model)
     draft_min_confidence: float = defaults.DRAFT_MIN_CONFIDENCE
+    draft_tree_width: int = defaults.DRAFT_TREE_WIDTH
     ngram_max: int = defaults.NGRAM_MAX
     ngram_min: int = defaults.NGRAM_MIN
 
@@ -91,6 +92,8 @@ class EngineConfig:
             raise ValueError(
                 f"draft_min_confidence must be in 0..1, got {self.draft_min_confidence}"
             )
+        if not 1 <= self.draft_tree_width <= 4:
+            raise ValueError(f"draft_tree_width must be in 1..4, got {self.draft_tree_width}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 "ngram sizes need 1 <= ngram_min <= ngram_max, "

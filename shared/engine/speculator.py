@@ -23,10 +23,11 @@ from shared.speculative.adaptive import (
     choose_k,
     expected_tokens,
 )
+from shared.speculative.head_proposer import HeadDraftProposer
 from shared.speculative.ngram import NgramProposer
 from shared.speculative.proposer import Draft, DraftProposer, DraftRequest
 from shared.speculative.stats import SpecStats
-from shared.speculative.tree import main_chain
+from shared.speculative.tree import main_chain, merge_chain
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 MAX_VERIFY_DRAFTS = 15
 # Seconds of drafting per proposed token assumed before a model draft has been timed.
 PRIOR_DRAFT_COST = 0.002
+# The acceptance key of head drafts that carry the n-gram guess as a branch.
+MERGED = "draft+ngram"
 
 
 @dataclass
@@ -64,9 +67,11 @@ class Speculator:
         self.cost = StepCostModel()
         self._draft_cost: float | None = None
         self._calibrate: Callable[[], dict[int, float]] | None = None
-        # Acceptance is tracked per n-gram match length ("ngram:3"): set with the drafts, read at
-        # record.
+        # Acceptance is tracked per n-gram match length ("ngram:3"), and apart for head drafts
+        # merged with an n-gram branch (MERGED): set with the drafts, read at record.
         self._alpha_keys: dict[str, str] = {}
+        # Per request, this step: the n-gram guess to merge into its head draft.
+        self._merge: dict[str, list[int]] = {}
 
     def install_draft(self, draft: DraftProposer, version: str) -> None:
         """Serve `draft` from the next step on (engine thread, between steps: no sequence
@@ -92,6 +97,10 @@ class Speculator:
             for n, seconds in self._calibrate().items():
                 self.cost.observe(n, seconds)
             self._calibrate = None
+        # Both are this step's: a row that ends up without a draft must not leave its key
+        # (or n-gram branch) to a later step's different draft.
+        self._alpha_keys.clear()
+        self._merge.clear()
         decoding: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft = None
@@ -160,6 +169,11 @@ class Speculator:
         """A tree is verified for greedy rows without a grammar, on a model that can."""
         return self.trees and seq.params.is_greedy and seq.grammar is None
 
+    def _merges(self, seq: Sequence) -> bool:
+        """The row's n-gram guess joins its head draft as a branch (adaptive, a tree-capable
+        row, a draft head)."""
+        return isinstance(self.draft, HeadDraftProposer) and self._may_tree(seq)
+
     def _room(self, seq: Sequence) -> int:
         """Drafts this sequence may take: 0 unless it is decoding and can use them."""
         if seq.num_pending_tokens != 1 or not seq.output_token_ids or seq.params.logprobs:
@@ -186,18 +200,23 @@ class Speculator:
             key = f"ngram:{self.ngram.match_length.get(seq.request_id, 0)}"
             a_ngram = self.acceptance.alpha(seq.request_id, key)
             use_model = self.draft is not None
+            # A draft head's tree takes the n-gram guess in as one more branch: the row
+            # keeps whichever of the two the target agrees with, in one verify step.
+            merge = use_model and len(draft) > 0 and self._merges(seq)
+            model_key = MERGED if merge else "draft"
+            a_model = self.acceptance.alpha(seq.request_id, model_key)
             if use_model and len(draft):
                 # Tokens per second of this row alone: an n-gram draft is free, a model draft
                 # adds its drafting time to the step.
-                a_model = self.acceptance.alpha(seq.request_id, "draft")
                 step = self.cost.cost(len(decoding))
                 model_rate = expected_tokens(a_model, limit) / (step + draft_cost * limit)
                 use_model = model_rate > expected_tokens(a_ngram, len(draft)) / step
             if use_model:
                 choices.append(_Choice(seq, "draft", limit))
-                candidates.append(
-                    Candidate(self.acceptance.alpha(seq.request_id, "draft"), limit, draft_cost)
-                )
+                candidates.append(Candidate(a_model, limit, draft_cost))
+                if merge:
+                    self._merge[seq.request_id] = draft.token_ids
+                    self._alpha_keys[seq.request_id] = MERGED
             else:
                 seq.draft, seq.draft_method = draft, "ngram"
                 self._alpha_keys[seq.request_id] = key
@@ -214,8 +233,13 @@ class Speculator:
         if not choices or self.draft is None:
             return
         requests = [DraftRequest(c.seq.request_id, c.seq.token_ids, c.k) for c in choices]
+        sampling = [not c.seq.params.is_greedy for c in choices]
         start = time.perf_counter()
-        drafts = self.draft.propose(requests, [not c.seq.params.is_greedy for c in choices])
+        if isinstance(self.draft, HeadDraftProposer):
+            trees = [self._may_tree(c.seq) for c in choices]
+            drafts = self.draft.propose(requests, sampling, trees)
+        else:
+            drafts = self.draft.propose(requests, sampling)
         per_token = (time.perf_counter() - start) / max(c.k for c in choices)
         self._draft_cost = (
             per_token if self._draft_cost is None else 0.8 * self._draft_cost + 0.2 * per_token
@@ -223,6 +247,9 @@ class Speculator:
         for choice, draft in zip(choices, drafts, strict=True):
             if len(draft) > choice.k:  # a proposer must not exceed max_tokens; trust but trim
                 draft = draft.prefix(choice.k)
+            chain = self._merge.pop(choice.seq.request_id, None)
+            if chain is not None and choice.k > 0:
+                draft = merge_chain(draft, chain[: self.max_k], self.max_k)
             if draft.is_tree and not self._may_tree(choice.seq):
                 draft = main_chain(draft)
             choice.seq.draft, choice.seq.draft_method = draft, "draft"

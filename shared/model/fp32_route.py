@@ -36,6 +36,7 @@ GEMM regime.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -51,14 +52,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.native.build import cache_dir as native_cache_dir
-from kernels.native.build import cpu_signature
+from kernels.native.build import cpu_signature, source_digest
 
 log = logging.getLogger(__name__)
 
 SMALL_ROWS = 16
 ALIGNMENT = 64  # bytes: a cache line, and past every vector width MKL's kernels align to
 _ROUNDS = 2
-ROUTES_VERSION = 2  # bump when what is measured changes, so cached routes are redone
+ROUTES_VERSION = 3  # bump when what is measured changes, so cached routes are redone
 # The measurement streams at most this much of the most recently loaded weights: well past a
 # CPU's cache (so they come from memory, as in a step), and a pause of tens of ms, once per
 # row count and machine, whatever else the process holds.
@@ -106,10 +107,64 @@ def _paired(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.repeat(2, 1).t()).t()[:1].contiguous()
 
 
+class _NativeF32:
+    """`x @ W.T` through the native library's fp32 matrix kernel (decode_step.c,
+    linear_f32): rows in register tiles of six, each weight vector read once per tile, where
+    MKL's small-row kernels were measured at a third of the CPU's FMA rate (an 8-row pass
+    over SmolLM2's matrices cost 1.6 one-row passes on an AVX2 EPYC). Absent where the
+    library cannot be built (no compiler): the route then never offers it."""
+
+    def __init__(self) -> None:
+        from kernels.native import abi
+        from kernels.native.build import load
+
+        self._abi = abi
+        self._build = load()
+        # weight storage address -> its descriptor, for the weights alive (a freed weight's
+        # address may be reused: the shape is checked too).
+        self._matrices: dict[int, tuple[int, int, object]] = {}
+
+    @property
+    def available(self) -> bool:
+        return self._build.available
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out, inp = weight.shape
+        entry = self._matrices.get(weight.data_ptr())
+        if entry is None or entry[:2] != (out, inp):
+            linear = self._abi.Linear(self._abi.F32, out, inp, 0, weight.data_ptr(), None, None)
+            entry = self._matrices[weight.data_ptr()] = (out, inp, linear)
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], out), dtype=torch.float32)
+        code = self._build.library.ss_linear_forward(
+            ctypes.byref(entry[2]),  # type: ignore[arg-type]
+            x.data_ptr(),
+            x.shape[0],
+            y.data_ptr(),
+            max(1, torch.get_num_threads()),
+        )
+        if code != 0:
+            raise RuntimeError(f"native fp32 matrix refused {tuple(x.shape)} x {out}x{inp}")
+        return y
+
+
+_native: _NativeF32 | None = None
+
+
+def _native_call() -> _NativeF32 | None:
+    global _native
+    if _native is None:
+        _native = _NativeF32()
+    return _native if _native.available else None
+
+
 def _calls(rows: int) -> dict[str, Call]:
     calls: dict[str, Call] = {"linear": F.linear, "weight-stationary": _weight_stationary}
     if rows == 1:
         calls["paired"] = _paired
+    native = _native_call()
+    if native is not None:
+        calls["native"] = native
     return calls
 
 
@@ -159,7 +214,9 @@ def _measure(rows: int, weights: list[torch.Tensor]) -> dict[tuple[int, int], st
 def routes_path(threads: int) -> Path:
     """Where this machine's routes for `threads` threads are kept."""
     omp = f"{os.environ.get('OMP_WAIT_POLICY', '')},{os.environ.get('GOMP_SPINCOUNT', '')}"
-    key = "|".join([str(ROUTES_VERSION), cpu_signature(), str(threads), torch.__version__, omp])
+    # The native kernel's source too: a changed kernel is a different candidate.
+    parts = [str(ROUTES_VERSION), cpu_signature(), str(threads), torch.__version__, omp]
+    key = "|".join([*parts, source_digest()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return native_cache_dir().parent / "formats" / f"fp32-routes-{digest}.json"
 
@@ -235,10 +292,22 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (key[2], key[3]) not in _measured:
             _settle(key[2], key[3])
         route = _routes.get(key, "linear")  # a weight never registered
-    return _CALLS[route](x, weight)
+    return _call(route)(x, weight)
 
 
-_CALLS: dict[str, Call] = _calls(1)
+def _call(route: str) -> Call:
+    if route == "native":
+        native = _native_call()
+        assert native is not None, "a native route is only chosen where the library loads"
+        return native
+    return _CALLS[route]
+
+
+_CALLS: dict[str, Call] = {
+    "linear": F.linear,
+    "weight-stationary": _weight_stationary,
+    "paired": _paired,
+}
 
 
 def measured_routes() -> dict[str, str]:

@@ -180,7 +180,7 @@ def decoder_layer(
         keys, values = kv.keys[index], kv.values[index]
         keys[rows, :, positions] = k.transpose(1, 2).to(keys.dtype)
         values[rows, :, positions] = v.transpose(1, 2).to(values.dtype)
-        attn = _cached_attention(q, keys[:, :, :used], values[:, :, :used], mask)
+        attn = cached_attention(q, keys[:, :, :used], values[:, :, :used], mask)
     return layer_out(layer, c, x, attn)
 
 
@@ -209,7 +209,7 @@ def layer_out(
     return x + layer.down(F.silu(gate) * up)
 
 
-def _cached_attention(
+def cached_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """q [B, hq, T, d], keys/values [B, hkv, S, d], mask [B, 1, T, S] -> [B, hq, T, d].

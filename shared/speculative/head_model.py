@@ -38,6 +38,7 @@ from shared.speculative.draft_model import (
     BatchKV,
     DecoderLayer,
     DraftConfig,
+    cached_attention,
     copy_target_layer,
     decoder_layer,
     layer_out,
@@ -97,6 +98,34 @@ class DraftHead(nn.Module):
         x = self.fc(torch.cat([self.embed[next_ids].float(), features], dim=-1))
         x = decoder_layer(self.layer, c, self.rope, x, positions, kv, 0)
         return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def forward_nodes(
+        self,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        known: int,
+        ancestry: torch.Tensor,
+        kv: BatchKV,
+    ) -> torch.Tensor:
+        """One head step for draft-tree nodes of one request (batch row 0 of `kv`): node i
+        feeds its parent's predicted state features[i] [N, H] and its own token next_ids[i],
+        sits at RoPE position positions[i], writes its K/V at cache slot slots[i] (past the
+        `known` true pairs) and attends to the true pairs and to the tree entries
+        ancestry[i] [N, E] marks (its ancestors' and its own, in slots known .. known + E).
+        Returns the nodes' predicted states [N, H]."""
+        c = self.config
+        assert self.embed is not None, "attach_target first"
+        x = self.fc(torch.cat([self.embed[next_ids].float(), features], dim=-1))[None]
+        q, k, v = layer_qkv(self.layer, c, self.rope, x, positions[None])
+        keys, values = kv.keys[0], kv.values[0]
+        keys[0, :, slots] = k[0].to(keys.dtype)
+        values[0, :, slots] = v[0].to(values.dtype)
+        used = known + ancestry.shape[1]
+        mask = torch.cat([ancestry.new_ones((len(slots), known)), ancestry], dim=1)
+        attn = cached_attention(q, keys[:, :, :used], values[:, :, :used], mask[None, None])
+        return rms_norm(layer_out(self.layer, c, x, attn), self.norm, c.rms_norm_eps)[0]
 
     def forward_chained(
         self, features: torch.Tensor, next_ids: torch.Tensor, steps: int

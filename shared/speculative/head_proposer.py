@@ -15,6 +15,7 @@ true one and are overwritten by the next true pairs, never attended before.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,14 +51,21 @@ class HeadDraftProposer:
         seed: int = 0,
         version: str = "untracked",
         min_chain_confidence: float = 0.0,
+        tree_width: int = 1,
     ):
         self.head = head.eval().requires_grad_(False)
         # A greedy row's chain ends before the guess at which the product of the head's own
         # top probabilities (its estimate that the chain so far is accepted, as in EAGLE-2)
         # falls below this: a guess the head doubts costs a verify row and a head step and
         # is seldom kept. 0 drafts the full chain. Sampled rows always draft the full chain
-        # (their q must stay the head's distribution for every proposed position).
+        # (their q must stay the head's distribution for every proposed position). In a tree
+        # the same estimate (the product along a node's path) admits or drops each node.
         self.min_chain_confidence = min_chain_confidence
+        # Greedy rows draft a tree when > 1: at each depth the `tree_width` likeliest new
+        # nodes are extended, each with its `tree_width` likeliest next tokens, and the
+        # likeliest nodes overall (at most the row's k) are proposed (EAGLE-2's dynamic tree).
+        # Whether rows may verify trees at all is the engine's call (Speculator.trees).
+        self.tree_width = tree_width
         self.version = version  # the head file's content hash (stats, /metrics)
         self.vocab_ids = vocab_ids.long()  # head id -> target id
         self.target_vocab_size = target_vocab_size
@@ -110,7 +118,10 @@ class HeadDraftProposer:
         )
 
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest], sampling: list[bool]) -> list[Draft]:
+    def propose(
+        self, requests: list[DraftRequest], sampling: list[bool], trees: list[bool] | None = None
+    ) -> list[Draft]:
+        """`trees[i]`: request i may get a tree (greedy, and `tree_width` > 1 here)."""
         drafts = [Draft(token_ids=[]) for _ in requests]
         room = self.head.config.max_position
         active: list[int] = []
@@ -125,6 +136,38 @@ class HeadDraftProposer:
             return drafts
         reqs = [requests[i] for i in active]
         states = [self._states[r.request_id] for r in reqs]
+        f, kv = self._feed_true_pairs(reqs, states)
+        want_q = [sampling[i] for i in active]
+        tree_rows = [
+            row
+            for row, i in enumerate(active)
+            if trees is not None and trees[i] and self.tree_width > 1 and not want_q[row]
+        ]
+        chain_rows = [row for row in range(len(reqs)) if row not in set(tree_rows)]
+        for row in tree_rows:
+            drafts[active[row]] = self._tree(states[row], f[row], reqs[row].max_tokens)
+        if chain_rows:
+            if len(chain_rows) < len(reqs):
+                index = torch.tensor(chain_rows)
+                kv = BatchKV([k[index] for k in kv.keys], [v[index] for v in kv.values])
+            chains = self._chains(
+                [reqs[r] for r in chain_rows],
+                [states[r] for r in chain_rows],
+                f[chain_rows],
+                [want_q[r] for r in chain_rows],
+                kv,
+            )
+            for row, draft in zip(chain_rows, chains, strict=True):
+                drafts[active[row]] = draft
+        return drafts
+
+    def _feed_true_pairs(
+        self, reqs: list[DraftRequest], states: list[_HeadState]
+    ) -> tuple[torch.Tensor, BatchKV]:
+        """Feed each request's true pairs the head has not seen yet (batched); returns the
+        predicted state after each request's last one [B, H] and the batch's cache (each
+        request's own cache when alone, else a gathered copy, whose true pairs are already
+        written back to every request's cache)."""
         for state in states:
             state.fed = min(state.fed, state.known - 1)  # at least one pair gives the next f
         steps = max(r.max_tokens for r in reqs)
@@ -150,10 +193,29 @@ class HeadDraftProposer:
             else gather_kv(c, [s.kv for s in states], starts, capacity)
         )
         out = self.head(features, next_ids, torch.tensor(starts), kv)
-        rows = torch.arange(len(reqs))
-        f = out[rows, torch.tensor(lens) - 1]
+        for state in states:
+            state.fed = state.known
+        if len(states) > 1:
+            scatter_kv(
+                kv,
+                [s.kv for s in states],
+                [(a, s.known) for a, s in zip(starts, states, strict=True)],
+            )
+        return out[torch.arange(len(reqs)), torch.tensor(lens) - 1], kv
+
+    def _chains(
+        self,
+        reqs: list[DraftRequest],
+        states: list[_HeadState],
+        f: torch.Tensor,
+        want_q: list[bool],
+        kv: BatchKV,
+    ) -> list[Draft]:
+        """Each row's chain of guesses, all rows stepped together; a greedy row's chain ends
+        where the head's confidence in it falls below `min_chain_confidence`."""
+        room = self.head.config.max_position
         pos = torch.tensor([s.known for s in states])
-        want_q = [sampling[i] for i in active]
+        steps = max(r.max_tokens for r in reqs)
         lengths = [r.max_tokens for r in reqs]
         confidence = torch.ones(len(reqs))
         tokens, probs = [], []
@@ -178,17 +240,11 @@ class HeadDraftProposer:
                 ids = self.vocab_ids[choice]
                 f = self.head(f[:, None], ids[:, None], pos.clamp(max=room - 1), kv)[:, 0]
                 pos = pos + 1
-        for state in states:
-            state.fed = state.known
-        if len(states) > 1:
-            scatter_kv(
-                kv,
-                [s.kv for s in states],
-                [(a, s.known) for a, s in zip(starts, states, strict=True)],
-            )
-        for row, index in enumerate(active):
+        drafts = []
+        for row in range(len(reqs)):
             m = lengths[row]
             if m == 0:
+                drafts.append(Draft([]))
                 continue
             proposed = self.vocab_ids[torch.stack([t[row] for t in tokens[:m]])].tolist()
             q_full = None
@@ -196,5 +252,62 @@ class HeadDraftProposer:
                 # q is zero outside the head vocabulary; verification stays exact with it.
                 q_full = torch.zeros(m, self.target_vocab_size)
                 q_full[:, self.vocab_ids] = torch.stack([p[row] for p in probs[:m]])
-            drafts[index] = Draft(token_ids=proposed, probs=q_full)
+            drafts.append(Draft(token_ids=proposed, probs=q_full))
         return drafts
+
+    def _tree(self, state: _HeadState, f_root: torch.Tensor, max_nodes: int) -> Draft:
+        """A greedy row's draft tree of at most `max_nodes` nodes, grown depth by depth from
+        the state after its last true pair: the `tree_width` likeliest new nodes of a depth
+        are stepped through the head together (one call per depth), each proposing its
+        `tree_width` likeliest next tokens. A node's likelihood is the product of the head's
+        probabilities along its path; nodes below `min_chain_confidence` are never added."""
+        width = self.tree_width
+        floor = math.log(self.min_chain_confidence) if self.min_chain_confidence > 0 else -math.inf
+        known = state.known
+        state.kv = state.kv.grown(self.head.config, known + max_nodes, known)
+        tokens: list[int] = []  # head vocabulary ids
+        parents: list[int] = []
+        score: list[float] = []  # log-likelihood of each node's path
+        entry: dict[int, int] = {}  # node -> its tree entry (cache slot known + entry)
+        predicted: dict[int, torch.Tensor] = {-1: f_root}  # node -> the head's next state
+        frontier = [-1]
+        for depth in range(1, max_nodes + 1):
+            rows = torch.stack([predicted[n] for n in frontier])
+            logp = torch.log_softmax(self.head.logits(rows), dim=-1)
+            top, choice = logp.topk(min(width, logp.shape[-1]), dim=-1)
+            base = torch.tensor([score[n] if n >= 0 else 0.0 for n in frontier])[:, None]
+            total = (base + top).flatten()
+            order = total.argsort(descending=True).tolist()
+            added: list[int] = []
+            for flat in order:
+                if len(tokens) >= max_nodes or float(total[flat]) < floor:
+                    break
+                parents.append(frontier[flat // choice.shape[1]])
+                tokens.append(int(choice.flatten()[flat]))
+                score.append(float(total[flat]))
+                added.append(len(tokens) - 1)
+            frontier = added[:width]
+            if not frontier or len(tokens) >= max_nodes or depth == max_nodes:
+                break
+            for node in frontier:
+                entry[node] = len(entry)
+            ancestry = torch.zeros((len(frontier), len(entry)), dtype=torch.bool)
+            for row, node in enumerate(frontier):
+                walk = node
+                while walk >= 0:
+                    ancestry[row, entry[walk]] = True
+                    walk = parents[walk]
+            out = self.head.forward_nodes(
+                torch.stack([predicted[parents[n]] for n in frontier]),
+                self.vocab_ids[torch.tensor([tokens[n] for n in frontier])],
+                torch.full((len(frontier),), known + depth - 1),
+                torch.tensor([known + entry[n] for n in frontier]),
+                known,
+                ancestry,
+                state.kv,
+            )
+            for row, node in enumerate(frontier):
+                predicted[node] = out[row]
+        if not tokens:
+            return Draft([])
+        return Draft(self.vocab_ids[torch.tensor(tokens)].tolist(), None, tuple(parents))

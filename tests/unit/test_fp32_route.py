@@ -31,7 +31,8 @@ def _fake_timing(monkeypatch, seconds: dict[str, float]) -> list[int]:
     def fake_pass(call, weights, xs):
         passes[0] += 1
         name = next(n for n, c in fp32_route._calls(1).items() if c is call)
-        return {(w.shape[0], w.shape[1]): seconds[name] for w in weights}
+        slowest = max(seconds.values()) + 1.0  # a call the test does not price never wins
+        return {(w.shape[0], w.shape[1]): seconds.get(name, slowest) for w in weights}
 
     monkeypatch.setattr(fp32_route, "_pass_seconds", fake_pass)
     return passes
@@ -68,6 +69,33 @@ def test_every_call_gives_the_same_bits_wherever_the_weight_was_loaded():
         for name, call in fp32_route._calls(rows).items():
             assert torch.equal(call(x, loaded.fp32), call(x, fresh.fp32)), (name, rows)
         assert torch.equal(loaded(x), fresh(x)), rows
+
+
+def test_the_native_call_computes_each_row_as_it_would_alone():
+    """The native fp32 kernel (register tiles of six rows and two outputs) gives every row
+    the bits it gets alone: a verify step's rows never depend on their step-mates."""
+    native = fp32_route._native_call()
+    if native is None:
+        pytest.skip("the native library cannot be built here (no compiler)")
+    torch.manual_seed(5)
+    w = fp32_route.aligned(torch.randn(131, 576))  # an odd output count: a lone last output
+    for rows in (2, 5, 6, 7, 13, 16):
+        x = torch.randn(rows, 576)
+        together = native(x, w)
+        alone = torch.cat([native(x[r : r + 1], w) for r in range(rows)])
+        assert torch.equal(together, alone), rows
+        torch.testing.assert_close(together, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_the_native_call_is_chosen_where_it_is_fastest(fresh_routes, monkeypatch):
+    if fp32_route._native_call() is None:
+        pytest.skip("the native library cannot be built here (no compiler)")
+    torch.manual_seed(6)
+    layer = Linear(torch.randn(48, 32), "fp32")
+    _fake_timing(monkeypatch, {"linear": 3.0, "weight-stationary": 2.0, "native": 1.0})
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.fp32), rtol=1e-5, atol=1e-5)
+    assert fp32_route._routes[(48, 32, 4, torch.get_num_threads())] == "native"
 
 
 def test_an_aligned_weight_is_not_copied():

@@ -59,22 +59,54 @@ def test_a_pinned_precision_trains_and_is_recorded(conversations, tmp_path, prec
     )
 
 
-def test_auto_times_both_and_keeps_the_faster(conversations):
+def _untrained(conversations, config: HeadTrainConfig):
+    """A fresh head over the tiny target, its training samples and vocabulary map."""
     checkpoint = tiny_checkpoint(seed=0)
-    config = _config()
     samples = target_states(checkpoint, conversations, config.top_k, lambda: False, lambda _: None)
     vocab = build_vocab([s.teacher for s in samples], 256, [])
     head = DraftHead(head_config(TINY_CONFIG, len(vocab)))
     init_head_from_checkpoint(head, checkpoint.tensors)
     t = checkpoint.tensors
     head.attach_target(t["embed_tokens"], t["embed_tokens"][vocab])
-    to_head = target_to_draft_map(vocab, TINY_CONFIG.vocab_size)
+    return head, samples, target_to_draft_map(vocab, TINY_CONFIG.vocab_size)
+
+
+def test_auto_times_both_and_keeps_the_faster(conversations):
+    config = _config()
+    head, samples, to_head = _untrained(conversations, config)
     chosen, timings = choose_precision(head, samples, to_head, config, random.Random(0))
     assert set(timings) == {"fp32", "bf16"} and min(timings.values()) > 0
     # bf16 only when it is clearly (the margin) faster: a near tie keeps fp32's accuracy.
     assert chosen == ("bf16" if timings["bf16"] * 1.15 < timings["fp32"] else "fp32")
     # The timing steps leave no gradient behind to leak into the first optimizer step.
     assert all(p.grad is None for p in head.parameters())
+
+
+def test_a_hopeless_bf16_is_timed_once(conversations, monkeypatch):
+    """Where the warm-up bf16 step alone is many fp32 steps long (a CPU without bf16
+    arithmetic), the two timed bf16 steps are skipped: they would only eat the budget."""
+    import time
+
+    import torch
+
+    from shared.speculative import head_train
+
+    config = _config()
+    head, samples, to_head = _untrained(conversations, config)
+    calls = {"fp32": 0, "bf16": 0}
+    loss = head_train._loss
+
+    def slow_bf16(*args):
+        kind = "bf16" if torch.is_autocast_enabled("cpu") else "fp32"
+        calls[kind] += 1
+        if kind == "bf16":
+            time.sleep(1.0)
+        return loss(*args)
+
+    monkeypatch.setattr(head_train, "_loss", slow_bf16)
+    chosen, timings = choose_precision(head, samples, to_head, config, random.Random(0))
+    assert chosen == "fp32" and timings["bf16"] >= 1.0
+    assert calls == {"fp32": 3, "bf16": 1}
 
 
 def test_an_unknown_precision_is_refused(conversations, tmp_path):

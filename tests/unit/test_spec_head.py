@@ -14,6 +14,7 @@ import torch
 from services.commands import draft_cmd
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.speculator import MERGED
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
@@ -24,8 +25,10 @@ from shared.speculative.head_load import load_head_proposer
 from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
 from shared.speculative.head_proposer import HeadDraftProposer
 from shared.speculative.head_train import HeadTrainConfig, train_head
+from shared.speculative.ngram import NgramProposer
+from shared.speculative.proposer import DraftRequest
 from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
-from tests.spec_helpers import checked_run, motif_prompts, pin_step_costs
+from tests.spec_helpers import checked_run, motif_prompts, pin_step_costs, verified_drafts
 from tests.unit.test_spec_sampling import (
     PARAMS,
     PROMPT,
@@ -115,11 +118,20 @@ def test_training_runs_end_to_end_and_learns(head_file):
     }  # the target's embedding and output rows are shared, not stored
 
 
+def _head_drafting(tiny_model, head_file, tree_width: int) -> HeadDraftProposer:
+    head = _head(tiny_model, head_file)
+    head.tree_width = tree_width
+    return head
+
+
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("method", ["draft", "adaptive"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_head_greedy_equals_plain(tiny_model, plain, head_file, method, batch):
+def test_head_greedy_equals_plain(tiny_model, plain, head_file, method, batch, tree_width):
     prompts, expected = plain
-    engine = _engine(tiny_model, method, _head(tiny_model, head_file), num_speculative_tokens=5)
+    head = _head_drafting(tiny_model, head_file, tree_width)
+    engine = _engine(tiny_model, method, head, num_speculative_tokens=5)
+    verified = verified_drafts(engine)
     if method == "adaptive":
         pin_step_costs(engine)
     got = []
@@ -130,13 +142,54 @@ def test_head_greedy_equals_plain(tiny_model, plain, head_file, method, batch):
     assert stats["verify_steps"] > 0  # it speculated (adaptive may prefer n-grams per row)
     if method == "draft":
         assert stats["by_method"]["draft"]["accepted_tokens"] > 0
+        assert any(d.is_tree for _, d in verified) == (tree_width > 1)
     assert engine.speculator.draft.num_cached_requests == 0  # released with each request
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_stops_inside_accepted_runs(tiny_model, plain, head_file, batch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_adaptive_merges_the_ngram_guess_into_the_heads_tree(tiny_model, plain, head_file, batch):
+    """With a draft head drafting trees, adaptive hands a row's n-gram guess to the head's
+    draft as one more branch (the row keeps whichever the target agrees with): the verified
+    trees carry n-gram branches, and greedy output stays plain decoding's. (Batch 8 is in
+    test_head_greedy_equals_plain: on the tiny model its pinned costs pick k of 1-3, rarely
+    with an n-gram guess beside the head's.)"""
     prompts, expected = plain
-    head = _head(tiny_model, head_file)
+    head = _head_drafting(tiny_model, head_file, 2)
+    engine = _engine(tiny_model, "adaptive", head, num_speculative_tokens=6)
+    pin_step_costs(engine)
+    seen = verified_drafts(engine)
+    lookup = NgramProposer(engine.config.ngram_max, engine.config.ngram_min)
+    merged = []
+    run = engine.runner.run
+
+    def spy(scheduled, want):
+        for item in scheduled:
+            draft = item.seq.draft
+            if item.num_draft and draft is not None and draft.is_tree:
+                request = DraftRequest("probe", item.seq.token_ids, 6)
+                guess = lookup.propose([request], [False])[0].token_ids
+                lookup.release("probe")
+                # Some branch of the tree starts with the n-gram guess's first tokens.
+                if guess and guess[0] in [
+                    draft.token_ids[i] for i, p in enumerate(draft.parents or []) if p == -1
+                ]:
+                    merged.append(item.seq.request_id)
+        return run(scheduled, want)
+
+    engine.runner.run = spy
+    got = []
+    for i in range(0, len(prompts), batch):
+        got += checked_run(engine, prompts[i : i + batch], GREEDY)
+    assert got == expected
+    assert seen and merged
+    assert MERGED in engine.speculator.acceptance._global  # priced apart from lone head drafts
+
+
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_stops_inside_accepted_runs(tiny_model, plain, head_file, batch, tree_width):
+    prompts, expected = plain
+    head = _head_drafting(tiny_model, head_file, tree_width)
     engine = _engine(tiny_model, "draft", head, num_speculative_tokens=8)
     # A stop token that plain decoding emits after several tokens, and a length limit.
     params = []
@@ -163,11 +216,15 @@ def test_stops_inside_accepted_runs(tiny_model, plain, head_file, batch):
     engine.blocks.check_integrity()
 
 
-def test_head_state_tracks_the_kept_tokens_through_rollbacks(tiny_model, plain, head_file):
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree"])
+def test_head_state_tracks_the_kept_tokens_through_rollbacks(
+    tiny_model, plain, head_file, tree_width
+):
     """After every step the head holds exactly the target's states of the tokens whose KV was
-    kept (rejected drafts' rows dropped), equal to a from-scratch dense forward."""
+    kept (rejected drafts' rows dropped, a tree's accepted path moved into place), equal to
+    a from-scratch dense forward."""
     prompts, expected = plain
-    head = _head(tiny_model, head_file)
+    head = _head_drafting(tiny_model, head_file, tree_width)
     engine = _engine(tiny_model, "draft", head, num_speculative_tokens=6)
     teacher = model_from_checkpoint(tiny_checkpoint(seed=0), (0, 1), None).eval()
     rid = engine.add_request(prompts[2], GREEDY)
@@ -185,8 +242,9 @@ def test_head_state_tracks_the_kept_tokens_through_rollbacks(tiny_model, plain, 
         assert torch.allclose(got, want, atol=1e-4)
         checked += 1
     assert checked > 3
-    hist = engine.spec_stats()["accepted_histogram"]
-    assert hist[0] > 0 and sum(hist[1:]) > 0  # both rejections and acceptances happened
+    stats = engine.spec_stats()
+    # Both rejected and accepted drafts (a tree's siblings of the accepted path included).
+    assert stats["draft_tokens"] > stats["accepted_tokens"] > 0
 
 
 def test_cached_prefix_starts_a_window_and_output_stays_plain(tiny_model, plain, head_file):
@@ -257,14 +315,18 @@ def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
     assert engine.spec_stats()["verify_steps"] > 0
 
 
+@pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize(("weights", "decode_weights"), [("native", "native"), ("fp32", "native")])
-def test_head_drafts_from_the_native_steps_states(plain, head_file, weights, decode_weights):
+def test_head_drafts_from_the_native_steps_states(
+    plain, head_file, weights, decode_weights, tree_width
+):
     """With the native C step on the decode path (and on both paths) the head reads the
     hidden states that step returns: no second forward, greedy still plain decoding's."""
     model = LlamaModel(tiny_checkpoint(seed=0), weights=weights, decode_weights=decode_weights)
     prompts, _ = plain
     expected = _engine(model).generate(prompts, GREEDY)
     head = load_head_proposer(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size, model)
+    head.tree_width = tree_width
     engine = _engine(model, "draft", head, num_speculative_tokens=5)
     got = []
     for i in range(0, len(prompts), 4):
@@ -299,14 +361,20 @@ def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
     from shared.engine.speculator_build import load_draft_file
 
     config = EngineConfig(
-        num_blocks=64, block_size=4, speculative_method="draft", draft_min_confidence=0.45
+        num_blocks=64,
+        block_size=4,
+        speculative_method="draft",
+        draft_min_confidence=0.45,
+        draft_tree_width=3,
     )
     proposer, why = load_draft_file(
         config, str(head_file.path), FINGERPRINT, TINY_CONFIG.vocab_size, tiny_model
     )
-    assert why is None and proposer.min_chain_confidence == 0.45
+    assert why is None and proposer.min_chain_confidence == 0.45 and proposer.tree_width == 3
     with pytest.raises(ValueError, match="draft_min_confidence must be in 0..1"):
         EngineConfig(num_blocks=64, block_size=4, draft_min_confidence=1.5)
+    with pytest.raises(ValueError, match="draft_tree_width must be in 1..4"):
+        EngineConfig(num_blocks=64, block_size=4, draft_tree_width=0)
 
 
 def test_the_serving_path_teaches_the_same_states_and_labels_every_position(tiny_model, plain):

@@ -17,7 +17,7 @@ from shared.model.tiny import tiny_quantized_checkpoint
 from shared.sampling.params import SamplingParams
 from shared.speculative.proposer import Draft
 from shared.speculative.tree import accept_greedy, compaction, main_chain, merge_chain
-from tests.spec_helpers import TreeOracleProposer, checked_run, motif_prompts
+from tests.spec_helpers import TreeOracleProposer, checked_run, motif_prompts, verified_drafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -90,28 +90,13 @@ def test_a_stop_inside_an_accepted_path_lands_where_plain_decoding_puts_it(tree_
     engine.blocks.check_integrity()
 
 
-def _verified_drafts(engine) -> list[tuple[bool, Draft]]:
-    """(greedy?, draft) of every row the engine verifies from now on."""
-    seen: list[tuple[bool, Draft]] = []
-    run = engine.runner.run
-
-    def spy(scheduled, want):
-        for item in scheduled:
-            if item.num_draft and item.seq.draft is not None:
-                seen.append((item.seq.params.is_greedy, item.seq.draft))
-        return run(scheduled, want)
-
-    engine.runner.run = spy
-    return seen
-
-
 def test_sampled_rows_keep_chains_and_greedy_rows_trees(tiny_model):
     """A tree offered for a sampled row is cut to its first branch (sampling verifies
     chains); greedy rows keep theirs."""
     prompts = motif_prompts(2, seed=4)
     proposer = TreeOracleProposer(_continuations(tiny_model, prompts), wrong_every=0)
     engine = _engine(tiny_model, proposer)
-    seen = _verified_drafts(engine)
+    seen = verified_drafts(engine)
     # Nearly greedy, so that the oracle (which knows the greedy reply) keeps proposing.
     engine.add_request(prompts[0], SamplingParams(temperature=0.05, max_tokens=12, seed=1))
     engine.add_request(prompts[1], GREEDY)
@@ -132,7 +117,7 @@ def test_accepted_nodes_kv_lands_where_plain_decoding_writes_it(tree_model):
     plain = [t for o in plain_engine.run_until_done() for t in o.new_token_ids]
     proposer = TreeOracleProposer({tuple(prompt): plain}, wrong_every=0)
     engine = _engine(tree_model, proposer, k=15)
-    seen = _verified_drafts(engine)
+    seen = verified_drafts(engine)
     engine.add_request(prompt, params, request_id="t", keep_kv=True)
     assert [t for o in engine.run_until_done() for t in o.new_token_ids] == plain
     assert any(d.is_tree and d.parents and d.parents[1] == -1 for _, d in seen)
