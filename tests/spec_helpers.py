@@ -140,6 +140,19 @@ def checked_run(engine, prompts: list[list[int]], params) -> list[list[int]]:
     return [results[i] for i in ids]
 
 
+def pin_draft_cost(engine, seconds: float = 0.0) -> None:
+    """Price model drafting at `seconds` per token whatever it measures (see pin_step_costs)."""
+    speculator = engine.speculator
+    propose = speculator._propose_model_drafts
+
+    def pinned(choices):
+        propose(choices)
+        speculator._draft_cost = seconds
+
+    speculator._draft_cost = seconds
+    speculator._propose_model_drafts = pinned
+
+
 def pin_step_costs(engine, seconds: float = 0.01) -> None:
     """Price every step alike for the adaptive controller: step times on a shared CPU are
     noise at test sizes, so its choices then depend on acceptance only and nothing timed."""

@@ -60,7 +60,12 @@ NUM_SPECULATIVE_TOKENS = 4
 DRAFT_MIN_CONFIDENCE = 0.3
 # A draft head drafts a tree for greedy rows when this is above 1: at each depth its
 # `width` likeliest nodes are extended by their `width` likeliest next tokens
-# (shared/speculative/tree.py). 1 drafts chains.
+# (shared/speculative/tree.py). 1 drafts chains. Measured with `splitserve bench spec`
+# (fp32, AVX2 EPYC, the bench's 14-CPU-minute head, k=8): width 2 with the cutoff lowered
+# to 0.1 so that siblings join gave chat head b1 1.11x and adaptive b1 1.09x, against 1.09x
+# and 2.27x for chains at 0.3: a head that agrees with the target's first token 44% of the
+# time buys too few tokens with a sibling's verify row. Trees still carry adaptive's
+# n-gram branch (Speculator: MERGED) at width 1.
 DRAFT_TREE_WIDTH = 1
 NGRAM_MAX = 4
 NGRAM_MIN = 1

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.fp32_route import aligned, fp32_linear, register
 from shared.model.gguf_file import Checkpoint
 from shared.model.layers import rms_norm
 from shared.model.rope import RotaryEmbedding
@@ -106,6 +107,37 @@ def scatter_kv(kv: BatchKV, caches: list[BatchKV], spans: list[tuple[int, int]])
             dst[0, :, start:end] = src[row, :, start:end]
 
 
+class Projection(nn.Linear):
+    """A bias-free nn.Linear that, once `serve()`d, multiplies through the fp32 route when no
+    gradient is wanted: a draft's few rows a step then take the call measured fastest here
+    (on an AVX2 EPYC torch's MKL ran a 1-row product at half the native kernel's rate), and
+    training keeps autograd's plain path."""
+
+    routed = False
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def serve(self) -> None:
+        with torch.no_grad():
+            self.weight.data = aligned(self.weight.data.float())
+        register(self.weight.data)
+        self.routed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.routed and not torch.is_grad_enabled() and x.dtype == torch.float32:
+            flat = fp32_linear(x.reshape(-1, x.shape[-1]), self.weight)
+            return flat.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+def serve_projections(module: nn.Module) -> None:
+    """Route every Projection of `module` (see Projection.serve); inference only."""
+    for part in module.modules():
+        if isinstance(part, Projection):
+            part.serve()
+
+
 class DecoderLayer(nn.Module):
     """One Llama decoder layer's weights (Q/K/V and gate/up fused), as the draft holds them."""
 
@@ -113,11 +145,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d = c.head_dim
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * d, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
+        self.qkv = Projection(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * d)
+        self.o_proj = Projection(c.num_heads * d, c.hidden_size)
         self.post_attention_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up = Projection(c.hidden_size, 2 * c.intermediate_size)
+        self.down = Projection(c.intermediate_size, c.hidden_size)
 
 
 class DraftModel(nn.Module):

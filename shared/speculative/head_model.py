@@ -33,16 +33,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.fp32_route import aligned, fp32_linear, register
 from shared.model.llama import RotaryEmbedding, rms_norm
 from shared.speculative.draft_model import (
     BatchKV,
     DecoderLayer,
     DraftConfig,
+    Projection,
     cached_attention,
     copy_target_layer,
     decoder_layer,
     layer_out,
     layer_qkv,
+    serve_projections,
 )
 
 
@@ -60,7 +63,7 @@ class DraftHead(nn.Module):
             raise ValueError(f"a draft head has one decoder layer, not {config.num_layers}")
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Projection(2 * h, h)
         self.layer = DecoderLayer(config)
         self.norm = nn.Parameter(torch.ones(h))
         self.rope = RotaryEmbedding(
@@ -70,6 +73,7 @@ class DraftHead(nn.Module):
         # model's TokenEmbedding (its Q8_0 blocks: shared, not copied to 108 MiB of fp32).
         self.embed: TargetEmbedding | None = None
         self.register_buffer("head_rows", torch.zeros(config.vocab_size, h), persistent=False)
+        self._rows_routed = False  # see serve()
 
     def attach_target(self, embed: TargetEmbedding, head_rows: torch.Tensor) -> None:
         if head_rows.shape != (self.config.vocab_size, self.config.hidden_size):
@@ -162,8 +166,19 @@ class DraftHead(nn.Module):
             inputs = torch.cat([features[:, :1], out[:, :-1]], dim=1)
         return outputs
 
+    def serve(self) -> None:
+        """Inference from now on: every matrix (the shared output rows too) multiplies
+        through the fp32 route."""
+        serve_projections(self)
+        self.head_rows = aligned(self.head_rows)
+        register(self.head_rows)
+        self._rows_routed = True
+
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits over the head vocabulary (draft ids index `vocab_ids`)."""
+        if self._rows_routed and not torch.is_grad_enabled():
+            flat = fp32_linear(states.reshape(-1, states.shape[-1]), self.head_rows)
+            return flat.view(*states.shape[:-1], self.head_rows.shape[0])
         return F.linear(states, self.head_rows)
 
 

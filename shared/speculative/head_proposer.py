@@ -54,6 +54,7 @@ class HeadDraftProposer:
         tree_width: int = 1,
     ):
         self.head = head.eval().requires_grad_(False)
+        self.head.serve()
         # A greedy row's chain ends before the guess at which the product of the head's own
         # top probabilities (its estimate that the chain so far is accepted, as in EAGLE-2)
         # falls below this: a guess the head doubts costs a verify row and a head step and

@@ -58,6 +58,8 @@ class HeadTrainConfig:
     heldout_fraction: float = 0.1
     # Label prompt positions too (the target's distribution there is as much its behaviour
     # as in replies; a chat log's prompts are mostly earlier turns), not only replies.
+    # (Weighting prompt positions down, 0.25 against a reply's 1, was measured to lose:
+    # held-out agreement 0.388 against 0.408 after ~420 steps on bench spec's log.)
     label_prompt: bool = True
     seed: int = 0
     max_steps: int | None = None  # stop after this many optimizer steps (tests)

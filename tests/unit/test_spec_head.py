@@ -28,7 +28,13 @@ from shared.speculative.head_train import HeadTrainConfig, train_head
 from shared.speculative.ngram import NgramProposer
 from shared.speculative.proposer import DraftRequest
 from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
-from tests.spec_helpers import checked_run, motif_prompts, pin_step_costs, verified_drafts
+from tests.spec_helpers import (
+    checked_run,
+    motif_prompts,
+    pin_draft_cost,
+    pin_step_costs,
+    verified_drafts,
+)
 from tests.unit.test_spec_sampling import (
     PARAMS,
     PROMPT,
@@ -157,6 +163,11 @@ def test_adaptive_merges_the_ngram_guess_into_the_heads_tree(tiny_model, plain, 
     head = _head_drafting(tiny_model, head_file, 2)
     engine = _engine(tiny_model, "adaptive", head, num_speculative_tokens=6)
     pin_step_costs(engine)
+    # The controller's choice is not under test here: merged drafts are priced to win.
+    tracker = engine.speculator.acceptance
+    alpha = tracker.alpha
+    tracker.alpha = lambda rid, key: 0.9 if key == MERGED else min(0.3, alpha(rid, key))
+    pin_draft_cost(engine)
     seen = verified_drafts(engine)
     lookup = NgramProposer(engine.config.ngram_max, engine.config.ngram_min)
     merged = []
@@ -182,7 +193,7 @@ def test_adaptive_merges_the_ngram_guess_into_the_heads_tree(tiny_model, plain, 
         got += checked_run(engine, prompts[i : i + batch], GREEDY)
     assert got == expected
     assert seen and merged
-    assert MERGED in engine.speculator.acceptance._global  # priced apart from lone head drafts
+    assert MERGED in tracker._global  # priced apart from lone head drafts
 
 
 @pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree"])
