@@ -2,7 +2,8 @@
 
 The held-out slice of the training log (training_log.is_heldout: the conversations the
 trainer never saw) is replayed greedy at each production batch size with no draft, with the
-draft in service (if any) and with the candidate, on the same loaded weights. The candidate
+draft in service (if any) and with the candidate, on the same loaded weights, the three
+taking turns prompt by prompt (batch 8: twice over the batch, in alternating order). The candidate
 is accepted only if its greedy output equals plain decoding's at every batch size (a draft
 can never change it through exact verification, so a difference means a bug somewhere and
 must stop the rollout) and its decode tokens/s over the whole replay (all batch sizes
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.bench.spec_bench import decode_run
+from services.bench.spec_bench import decode_run, interleaved_runs
 from shared.engine.engine import Engine
 from shared.sampling.params import SamplingParams
 
@@ -66,26 +67,6 @@ class GateVerdict:
 EngineFactory = Callable[[str | None], Engine]  # draft path (None: no draft) -> fresh engine
 
 
-def replay(
-    name: str,
-    make_engine: EngineFactory,
-    draft: str | None,
-    prompts: list[list[int]],
-    batches: tuple[int, ...],
-    max_tokens: int,
-) -> GateRun:
-    engine = make_engine(draft)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    decode_run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)  # warm
-    outputs, tokens, seconds = {}, 0, 0.0
-    for batch in batches:
-        outputs[batch], t, s = decode_run(engine, prompts, params, batch)
-        tokens, seconds = tokens + t, seconds + s
-    stats = engine.spec_stats()
-    mean = stats["mean_accepted"] if draft is not None else 1.0
-    return GateRun(name, outputs, tokens, seconds, mean, stats.get("draft_unavailable"))
-
-
 def decide(runs: dict[str, GateRun]) -> GateVerdict:
     """The verdict on runs "none", "candidate" and (when a draft serves) "current"."""
     plain, candidate = runs["none"], runs["candidate"]
@@ -111,10 +92,32 @@ def gate(
     batches: tuple[int, ...] = (1, 8),
     max_tokens: int = 64,
 ) -> GateVerdict:
-    runs = {"none": replay("none", make_engine, None, prompts, batches, max_tokens)}
-    if current is not None:
-        runs["current"] = replay("current", make_engine, current, prompts, batches, max_tokens)
-    runs["candidate"] = replay("candidate", make_engine, candidate, prompts, batches, max_tokens)
+    """Every arm replays the same prompts, the arms taking turns group by group
+    (spec_bench.interleaved_runs): timed one after the other, this VM's drifting speed was
+    enough to decide a verdict."""
+    drafts = {"none": None, "current": current, "candidate": candidate}
+    if current is None:
+        del drafts["current"]
+    engines = {name: make_engine(draft) for name, draft in drafts.items()}
+    warm = SamplingParams(temperature=0.0, max_tokens=8)
+    for engine in engines.values():
+        decode_run(engine, prompts[:1], warm, 1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in engines}
+    tokens = dict.fromkeys(engines, 0)
+    seconds = dict.fromkeys(engines, 0.0)
+    for batch in batches:
+        for name, (outs, n, dt) in interleaved_runs(engines, prompts, params, batch).items():
+            outputs[name][batch] = outs
+            tokens[name] += n
+            seconds[name] += dt
+    runs = {}
+    for name, engine in engines.items():
+        stats = engine.spec_stats()
+        mean = stats["mean_accepted"] if drafts[name] is not None else 1.0
+        runs[name] = GateRun(
+            name, outputs[name], tokens[name], seconds[name], mean, stats.get("draft_unavailable")
+        )
     return decide(runs)
 
 
