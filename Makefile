@@ -52,7 +52,7 @@ up: $(STAMP)
 	$(VENV)/bin/splitserve up $(ARGS)
 
 test: $(STAMP) browser container-tools
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
