@@ -432,6 +432,12 @@ static inline void split(int n, int tid, int nth, int *begin, int *end) {
  * sequence dot_f32 computes (one accumulator over the vectors in order, then its tail), so
  * a row's bits never depend on the rows beside it. */
 #define F32_TILE_ROWS 6
+/* Floats ahead of the pair's two loads whose lines are requested early (the union of the two
+ * covers the weights that follow, whatever the shape). The hardware prefetcher keeps a
+ * one-row pass at bandwidth but not a tile, whose arithmetic stalls the stream it follows:
+ * 8 rows over SmolLM2's matrices on 2 AVX2 threads cost 31.9 ms a pass without, 22.5 with
+ * (1 row: 17 ms); 4.5k and 9k floats ahead measured no better. */
+#define F32_AHEAD 2304
 #if SS_AVX512
 #define F32_STEP 16
 typedef __m512 f32_vec;
@@ -458,6 +464,8 @@ static inline __attribute__((always_inline)) void f32_tile(const float *W, const
   int i = 0;
   for (; i + F32_STEP <= in; i += F32_STEP) {
     f32_vec v0 = f32_load(w0 + i), v1 = f32_load(w1 + i);
+    _mm_prefetch((const char *)(w0 + i + F32_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w1 + i + F32_AHEAD), _MM_HINT_T0);
     for (int r = 0; r < nr; r++) {
       f32_vec xv = f32_load(xr + (size_t)r * in + i);
       a0[r] = f32_fma(v0, xv, a0[r]);
