@@ -46,7 +46,12 @@ def add_command(sub) -> None:
         default=10.0,
         help="budget in CPU minutes of this process (all threads together)",
     )
-    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    t.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="AdamW learning rate (default: the trainer's, 1e-3 for a draft, 3e-3 for a head)",
+    )
     t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     t.add_argument("--vocab-size", type=int, default=4096, help="draft vocabulary size")
     t.add_argument(
@@ -110,7 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
         return fail(f"--threads must be >= 1, got {args.threads}")
     if not 16 <= args.vocab_size <= 65536:
         return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
-    if not args.lr > 0:
+    if args.lr is not None and not args.lr > 0:
         return fail(f"--lr must be > 0, got {args.lr}")
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -156,7 +161,7 @@ def run_train(args: argparse.Namespace) -> int:
         source_layers=layers,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
-        lr=args.lr,
+        lr=args.lr or TrainConfig().lr,
     )
     stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
     try:
@@ -195,7 +200,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     config = HeadTrainConfig(
         max_minutes=args.max_minutes,
         vocab_size=args.vocab_size,
-        lr=args.lr,
+        lr=args.lr or HeadTrainConfig().lr,
         seed=args.seed,
         precision=args.precision,
     )

@@ -15,6 +15,7 @@ from shared.engine.engine import Engine
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
 from shared.sampling.params import SamplingParams
 from shared.speculative.draft_data import build_vocab, target_to_draft_map
+from shared.speculative.draft_train import TrainConfig
 from shared.speculative.head_file import read_head
 from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
 from shared.speculative.head_train import (
@@ -128,3 +129,16 @@ def test_the_cli_refuses_an_unknown_precision(capsys):
         parser.parse_args(["draft", "train", "--from-log", "x.jsonl", "--precision", "fp8"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_the_cli_leaves_the_learning_rate_to_each_trainer_and_refuses_a_non_positive_one(
+    capsys,
+):
+    parser = argparse.ArgumentParser(prog="splitserve")
+    draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["draft", "train", "--from-log", "x.jsonl"])
+    assert args.lr is None  # a head trains at HeadTrainConfig's rate, a draft at TrainConfig's
+    assert HeadTrainConfig().lr == 3e-3 and TrainConfig().lr == 1e-3
+    args = parser.parse_args(["draft", "train", "--from-log", "x.jsonl", "--lr", "0"])
+    assert args.handler(args) != 0
+    assert "--lr must be > 0, got 0.0" in capsys.readouterr().err
