@@ -28,6 +28,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_setup import load_serving_model
 from shared.kvcache.kv_dtype import resolve_kv_dtype
+from shared.model.fp32_route import settle as settle_fp32_routes
 from shared.model.loader import read_checkpoint
 from shared.modelfile.default import default_model_path
 from shared.sampling.params import SamplingParams
@@ -239,6 +240,10 @@ def run(
                 engines[method] = Engine(config, model=model, tokenizer=tokenizer)
                 warm = SamplingParams(temperature=0.0, max_tokens=8)
                 decode_run(engines[method], prompts[:1], warm, 1)
+            # Every row count a timed step can have is routed before the clock starts (fp32
+            # weights, the head's too: see fp32_route), as a pool's first steps on this
+            # machine would have done.
+            settle_fp32_routes(batch * (k + 1))
             timed = interleaved_runs(engines, prompts, params, batch)
             plain, plain_tokens, plain_seconds = timed["none"]
             plain_rate = plain_tokens / plain_seconds if plain_seconds else 0.0

@@ -98,6 +98,30 @@ def test_the_native_call_is_chosen_where_it_is_fastest(fresh_routes, monkeypatch
     assert fp32_route._routes[(48, 32, 4, torch.get_num_threads())] == "native"
 
 
+def test_a_batch_verify_step_takes_its_buckets_route_measured_once(fresh_routes, monkeypatch):
+    """Past SMALL_ROWS, row counts share their bucket's route: 17 and 20 rows (a batch's
+    verify step) are served by what was measured at 24, once; past the last bucket, linear."""
+    torch.manual_seed(7)
+    layer = Linear(torch.randn(48, 32), "fp32")
+    passes = _fake_timing(monkeypatch, {"linear": 3.0, "weight-stationary": 2.0, "native": 1.0})
+    assert fp32_route.routed_rows(16) == 16 and fp32_route.routed_rows(17) == 24
+    assert fp32_route.routed_rows(fp32_route.ROW_BUCKETS[-1]) == fp32_route.ROW_BUCKETS[-1]
+    assert fp32_route.routed_rows(fp32_route.ROW_BUCKETS[-1] + 1) is None
+    threads = torch.get_num_threads()
+    for rows in (17, 20, 24):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.fp32), rtol=1e-5, atol=1e-5)
+    measured = passes[0]
+    assert measured > 0 and (24, threads) in fp32_route._measured
+    assert not any(r in (17, 20) for _, _, r, _ in fp32_route._routes)
+    expected = "native" if fp32_route._native_call() is not None else "weight-stationary"
+    assert fp32_route._routes[(48, 32, 24, threads)] == expected
+    layer(torch.randn(22, 32))
+    assert passes[0] == measured  # the bucket is settled: nothing timed again
+    fp32_route.settle(30)  # 1..16 one by one, then the buckets 24 (settled) and 32
+    assert {r for r, t in fp32_route._measured if t == threads} == {*range(1, 17), 24, 32}
+
+
 def test_an_aligned_weight_is_not_copied():
     w = torch.randn(16, 8)
     assert w.data_ptr() % fp32_route.ALIGNMENT == 0
@@ -170,5 +194,5 @@ def test_large_batches_and_unregistered_weights_take_linear(fresh_routes):
     x = torch.randn(2, 8)
     torch.testing.assert_close(fp32_route.fp32_linear(x, w), F.linear(x, w))
     assert (16, 8, 2, torch.get_num_threads()) not in fp32_route._routes
-    big = torch.randn(fp32_route.SMALL_ROWS + 1, 8)
+    big = torch.randn(fp32_route.ROW_BUCKETS[-1] + 1, 8)
     torch.testing.assert_close(fp32_route.fp32_linear(big, w), F.linear(big, w))
