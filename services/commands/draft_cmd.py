@@ -103,6 +103,13 @@ def add_command(sub) -> None:
     g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
     g.add_argument("--heldout-fraction", type=float, default=0.1, help="as the trainer's")
     g.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    g.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.03,
+        help="the fraction by which the candidate's tokens/s must beat each rival's "
+        "(default 0.03: smaller edges are within a replay's noise)",
+    )
     g.add_argument("--install", default=None, help="on acceptance, copy the candidate here")
     g.add_argument("--json", default=None, help="write the verdict here")
     g.set_defaults(handler=run_gate)
@@ -227,6 +234,8 @@ def run_gate(args: argparse.Namespace) -> int:
         return fail(f"--batches must be comma-separated sizes, got {args.batches!r}")
     if not batches or min(batches) < 1 or args.max_prompts < 1 or args.max_tokens < 1:
         return fail("--batches, --max-prompts and --max-tokens must be >= 1")
+    if not 0.0 <= args.min_gain < 1.0:
+        return fail(f"--min-gain must be in [0, 1), got {args.min_gain}")
 
     import json
 
@@ -264,7 +273,15 @@ def run_gate(args: argparse.Namespace) -> int:
         return Engine(config, model=model, tokenizer=tokenizer, kv_salt=salt)
 
     _stderr(f"[gate] replaying {len(prompts)} held-out prompts at batch sizes {batches}")
-    verdict = gate(make_engine, prompts, args.candidate, args.current, batches, args.max_tokens)
+    verdict = gate(
+        make_engine,
+        prompts,
+        args.candidate,
+        args.current,
+        batches,
+        args.max_tokens,
+        args.min_gain,
+    )
     report = verdict.as_json()
     if verdict.accepted and args.install:
         report["installed"] = str(install(args.candidate, args.install))

@@ -108,7 +108,36 @@ def test_gate_accepts_only_what_beats_every_rival():
     assert decide(runs).accepted
     runs["candidate"] = GateRun("candidate", same, 100, 6.0, 2.5)  # beats none, not current
     verdict = decide(runs)
-    assert not verdict.accepted and verdict.reasons == ["16.7 tok/s does not beat current's 20.0"]
+    assert not verdict.accepted
+    assert verdict.reasons == ["16.7 tok/s does not beat current's 20.0 by 3%"]
+
+
+def test_a_gain_within_the_replays_noise_does_not_ship():
+    """20.4 against 20.0 tok/s (2%) is below the default 3% margin; 21 (5%) clears it; with
+    the margin set to 0 any strict gain does."""
+    same = {1: [[1, 2]]}
+    runs = {
+        "none": GateRun("none", same, 100, 10.0, 1.0),
+        "current": GateRun("current", same, 100, 5.0, 2.0),
+        "candidate": GateRun("candidate", same, 102, 5.0, 2.1),
+    }
+    verdict = decide(runs)
+    assert not verdict.accepted
+    assert verdict.reasons == ["20.4 tok/s does not beat current's 20.0 by 3%"]
+    assert decide(runs, min_gain=0.0).accepted
+    runs["candidate"] = GateRun("candidate", same, 105, 5.0, 2.1)
+    verdict = decide(runs)
+    assert verdict.accepted
+    assert verdict.reasons == ["faster than every rival by more than 3%, output identical"]
+
+
+def test_the_gate_cli_refuses_a_margin_outside_0_to_1(capsys):
+    parser = argparse.ArgumentParser(prog="splitserve")
+    draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
+    argv = ["draft", "gate", "--candidate", "c.pt", "--from-log", "x.jsonl", "--min-gain", "1.5"]
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 2
+    assert "--min-gain must be in [0, 1), got 1.5" in capsys.readouterr().err
 
 
 def test_hot_swap_under_load_changes_no_stream(tiny_model, plain, head_file, tmp_path):  # noqa: F811
