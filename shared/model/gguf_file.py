@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from math import prod
 
 import numpy as np
 import torch
 
+from shared.model.gguf_dequant import PLAIN_TYPES as _PLAIN_TYPES
+from shared.model.gguf_dequant import dequantize_rows
 from shared.model.tensor_names import expected_tensor_names
 from shared.modelfile.config import ModelConfig, ModelFileError
+from shared.modelfile.gguf_header import GGML_TYPES_BY_NAME, TensorInfo
 from shared.modelfile.gguf_meta import config_from_header, read_header
 
 # GGUF per-layer tensor names (after `blk.{i}.`) -> ours.
@@ -81,30 +85,32 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_gguf(path: str | os.PathLike) -> Checkpoint:
-    import gguf
-
     path = str(path)
     header = read_header(path)  # checks the whole file is there before anything maps it
     config = config_from_header(header)
     permuted = header.get("general.architecture") in _PERMUTED_ARCHITECTURES
-    reader = _open(path)
     n_heads, n_kv = config.num_heads, config.num_kv_heads
     tensors: dict[str, torch.Tensor] = {}
     q4_1: dict[str, np.ndarray] = {}
     q8_0: dict[str, np.ndarray] = {}
-    file_size = os.path.getsize(path)
-    for t in reader.tensors:
-        type_name = t.tensor_type.name
-        if t.data_offset + t.n_bytes > file_size:
-            raise ModelFileError(path, f"file is truncated inside tensor '{t.name}'")
+    # The tensor directory comes from our own header parser: the `gguf` package's reader
+    # builds a numpy view per metadata element, 9 s for SmolLM2's vocabulary on the 2-core
+    # machine, paid by every worker start (and every restart after a crash).
+    file_bytes = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in header.tensors:
         name = _our_name(t.name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        weight = torch.from_numpy(
-            np.array(array, dtype=np.float32)
-        )  # copy: the file is mmapped read-only
+        shape = tuple(reversed(t.shape))  # PyTorch order: the contiguous dimension last
+        raw = _raw_rows(file_bytes, t)
+        if header.byte_order != "<" and t.type_name not in _PLAIN_TYPES:
+            raise ModelFileError(
+                path,
+                f"tensor '{t.name}' is {t.type_name} in a big-endian GGUF: only F32, F16 and "
+                "BF16 tensors are read from big-endian files",
+            )
+        weight = torch.from_numpy(dequantize_rows(raw, t.type_name, header.byte_order))
+        weight = weight.reshape(shape)
         if name.endswith(".experts"):  # merged: one [out, in] matrix per expert
             layer, matrix = name.removesuffix(".experts").rsplit(".", 1)
             for e in range(weight.shape[0]):
@@ -118,12 +124,13 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
         if heads:
             weight = unpermute_rope_rows(weight, heads)
         tensors[name] = weight
-        if type_name in ("Q4_1", "Q8_0"):
-            width = 20 if type_name == "Q4_1" else 34
-            blocks = np.asarray(t.data).reshape(shape[0], -1, width)
+        if t.type_name in ("Q4_1", "Q8_0"):
+            width = 20 if t.type_name == "Q4_1" else 34
+            # A view of the mapped file (pages shared with the OS cache), copied only to reorder.
+            blocks = raw.reshape(shape[0], -1, width)
             if heads:
                 blocks = unpermute_rope_rows(torch.from_numpy(blocks.copy()), heads).numpy()
-            (q4_1 if type_name == "Q4_1" else q8_0)[name] = blocks
+            (q4_1 if t.type_name == "Q4_1" else q8_0)[name] = blocks
     _check_complete(path, config, tensors)
     meta = {k: header.get(k) for k in ("general.name", "general.file_type")}
     return Checkpoint(
@@ -136,15 +143,12 @@ def read_gguf(path: str | os.PathLike) -> Checkpoint:
     )
 
 
-def _open(path: str):
-    import gguf  # imported here: loading HF checkpoints must not need it
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
-        raise ModelFileError(
-            path, f"not a readable GGUF file (truncated or corrupt?): {exc}"
-        ) from exc
+def _raw_rows(file_bytes: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """The tensor's bytes in the file, one row (ne0 elements) per line: read-only, mapped."""
+    _, block, block_bytes = GGML_TYPES_BY_NAME[t.type_name]
+    row_bytes = t.shape[0] // block * block_bytes
+    rows = prod(t.shape[1:])
+    return file_bytes[t.offset : t.offset + rows * row_bytes].reshape(rows, row_bytes)
 
 
 def _our_name(gguf_name: str) -> str | None:

@@ -3,7 +3,8 @@
 The `gguf` package's reader builds a numpy view per array element: opening the bundled
 model's 49k-token vocabulary that way takes about 3 s, where this parser takes a few tens of
 milliseconds. Processes that only need the metadata (the coordinator's tokenizer and context
-length, a worker's tokenizer) read it here; loading weights still goes through `gguf`.
+length, a worker's tokenizer) read it here, and loading weights finds each tensor's bytes
+through its directory (`shared.model.gguf_file`).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3, either
 byte order). Everything comes from an untrusted file, so every length and count is checked
@@ -220,3 +221,9 @@ class _Parser:
                 f"file has {self.size}"
             )
         return TensorInfo(name, type_name, shape, start + offset)
+
+
+# The same table by type name (what TensorInfo carries).
+GGML_TYPES_BY_NAME: dict[str, tuple[int, int, int]] = {
+    name: (kind, block, block_bytes) for kind, (name, block, block_bytes) in GGML_TYPES.items()
+}

@@ -93,3 +93,25 @@ def test_rope_factors_that_do_not_fit_the_heads_are_refused(tmp_path):
     _write_gguf(path, "llama", extra={"rope_freqs.weight": np.ones(3, dtype=np.float32)})
     with pytest.raises(ModelFileError, match="rope_freqs has 3 factors for 2 rotated pairs"):
         read_gguf(path)
+
+
+def test_a_quantized_tensor_in_a_big_endian_file_is_refused(tmp_path):
+    """A block's fp16 scales would need swapping inside each block; rather than read them
+    wrong, the file is refused and the tensor named."""
+    import gguf
+
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    blocks = np.zeros((4, 34), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="token_embd.weight' is Q8_0 in a big-endian GGUF"):
+        read_gguf(path)
