@@ -91,7 +91,8 @@ def decide(runs: dict[str, GateRun], min_gain: float = DEFAULT_MIN_GAIN) -> Gate
                 f"{candidate.tok_s:.1f} tok/s does not beat {rival}'s "
                 f"{runs[rival].tok_s:.1f}{needed}"
             )
-    done = f"faster than every rival by more than {min_gain:.0%}, output identical"
+    margin = f" by more than {min_gain:.0%}" if min_gain else ""
+    done = f"faster than every rival{margin}, output identical"
     return GateVerdict(not reasons, reasons or [done], runs)
 
 

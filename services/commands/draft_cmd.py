@@ -106,9 +106,9 @@ def add_command(sub) -> None:
     g.add_argument(
         "--min-gain",
         type=float,
-        default=0.03,
+        default=None,
         help="the fraction by which the candidate's tokens/s must beat each rival's "
-        "(default 0.03: smaller edges are within a replay's noise)",
+        "(default: the gate's, 0.03: smaller edges are within a replay's noise)",
     )
     g.add_argument("--install", default=None, help="on acceptance, copy the candidate here")
     g.add_argument("--json", default=None, help="write the verdict here")
@@ -234,14 +234,15 @@ def run_gate(args: argparse.Namespace) -> int:
         return fail(f"--batches must be comma-separated sizes, got {args.batches!r}")
     if not batches or min(batches) < 1 or args.max_prompts < 1 or args.max_tokens < 1:
         return fail("--batches, --max-prompts and --max-tokens must be >= 1")
-    if not 0.0 <= args.min_gain < 1.0:
+    # None: the gate's own default, read from its module (imported late: it loads torch).
+    if args.min_gain is not None and not 0.0 <= args.min_gain < 1.0:
         return fail(f"--min-gain must be in [0, 1), got {args.min_gain}")
 
     import json
 
     import torch
 
-    from services.bench.draft_gate import gate, install
+    from services.bench.draft_gate import DEFAULT_MIN_GAIN, gate, install
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.model.llama import LlamaModel
@@ -280,7 +281,7 @@ def run_gate(args: argparse.Namespace) -> int:
         args.current,
         batches,
         args.max_tokens,
-        args.min_gain,
+        DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
     )
     report = verdict.as_json()
     if verdict.accepted and args.install:
