@@ -23,6 +23,7 @@ from shared.engine.model_setup import load_serving_model
 from shared.kvcache.events import KVEvent
 from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.kvcache.tables import BlockTable
+from shared.model import fp32_route
 from shared.modelfile.default import default_model_path
 from shared.rpc.auth import InternalAuth
 from shared.tokenizer import Tokenizer
@@ -142,6 +143,7 @@ class WorkerRuntime:
             kv_salt=self.tokenizer_fingerprint.encode() or None,
         )
         self.engine.format_choice = self.format_choice  # shown in Stats and /metrics
+        self._settle_fp32_routes()
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
             # Structured outputs: grammars are compiled against the model's own vocabulary,
@@ -167,6 +169,20 @@ class WorkerRuntime:
         self.faults = worker.fault_injection
         if self.faults.active:
             log.warning("FAULT INJECTION is on for %s: %s", self.worker_id, self.faults)
+
+    def _settle_fp32_routes(self) -> None:
+        """Route every fp32 GEMM row count a step here can have before the replica serves.
+
+        A row count's route is otherwise measured at the first step that has it: a verify
+        step of a new batch size then stalls a live stream for the measurement (seconds on
+        a cold pod, whose cache directory starts empty). Nothing registered (no fp32 weights,
+        no fp32 draft head): nothing to do."""
+        started = time.monotonic()
+        rows = min(fp32_route.ROW_BUCKETS[-1], self.engine_config.max_num_batched_tokens)
+        fp32_route.settle(rows)
+        spent = time.monotonic() - started
+        if spent > 0.5:
+            log.info("%s fp32 routes for 1..%d rows ready in %.1f s", self.worker_id, rows, spent)
 
     @property
     def tokenizer_fingerprint(self) -> str:

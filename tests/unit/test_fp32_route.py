@@ -196,3 +196,36 @@ def test_large_batches_and_unregistered_weights_take_linear(fresh_routes):
     assert (16, 8, 2, torch.get_num_threads()) not in fp32_route._routes
     big = torch.randn(fp32_route.ROW_BUCKETS[-1] + 1, 8)
     torch.testing.assert_close(fp32_route.fp32_linear(big, w), F.linear(big, w))
+
+
+def test_a_worker_routes_every_row_count_before_it_serves(fresh_routes, monkeypatch, tmp_path):
+    """A decode replica's first verify step of a new batch size must not stall a live stream
+    to time the GEMM calls: the runtime settles every count a step can have at start."""
+    from services.worker.runtime import WorkerRuntime
+    from shared.config.schema import parse_config
+    from shared.model.tiny import tiny_checkpoint, write_hf_folder
+
+    passes = _fake_timing(monkeypatch, {"linear": 1.0, "weight-stationary": 2.0, "native": 3.0})
+    folder = write_hf_folder(tiny_checkpoint(seed=0), tmp_path / "tiny")
+    config = parse_config(
+        {
+            "transfer": {"backend": "tcp"},
+            "models": [
+                {
+                    "id": "tiny",
+                    "path": str(folder),
+                    "weights": "fp32",
+                    "pools": {"prefill": 1, "decode": 1},
+                    "worker": {"kv_cache_bytes": 4 << 20, "host_cache_bytes": 0, "threads": 1},
+                }
+            ],
+        }
+    )
+    runtime = WorkerRuntime(config, "tiny", "decode", 0)
+    try:
+        threads = torch.get_num_threads()
+        settled = {r for r, t in fp32_route._measured if t == threads}
+        assert settled == {*range(1, fp32_route.SMALL_ROWS + 1), *fp32_route.ROW_BUCKETS}
+        assert passes[0] > 0 and fresh_routes.is_file()  # measured once, kept for the machine
+    finally:
+        runtime.transfer.close()
