@@ -12,8 +12,8 @@ doubles throughput alone loses it in a crowd. So the controller keeps two measur
 - cost: wall time of decode steps by total query tokens (EWMA per token count, interpolated
   between measured counts, a conservative linear prior where nothing is measured yet);
 
-and gives each sequence the draft length that maximises the whole batch's expected emitted tokens
-per second (choose_k); k = 0 (no speculation) wins whenever drafts do not pay.
+and picks the k maximising expected emitted tokens per second for the whole batch; k = 0 (no
+speculation) wins whenever drafts do not pay.
 """
 
 from __future__ import annotations
@@ -116,36 +116,35 @@ class Candidate:
 def choose_k(candidates: list[Candidate], max_k: int, cost: StepCostModel) -> list[int]:
     """Per-sequence draft lengths maximising the batch's expected tokens per second.
 
-    Each proposed token costs the step the same (one more query row), but buys a different
-    amount: a row's j-th draft is emitted with probability alpha^j, so a row that the target
-    usually agrees with deserves a long draft and one it seldom does a short one or none.
-    Every row's gains fall with depth, so the best allocation of n extra rows takes the n
-    largest gains over all rows (exchange argument); only n is searched, by the batch's rate
-    (emitted tokens over the step's measured cost plus the longest model draft's time). One
-    cap shared by the batch gave the rows with poor prospects as many rows as the best ones.
+    One cap k is searched for the whole batch (each sequence takes min(k, its max_k)); then a
+    sequence whose own acceptance makes its drafts a net loss at the chosen cost drops to 0.
     """
     if not candidates:
         return []
-    gains = sorted(
-        (
-            (c.alpha**depth, i)
-            for i, c in enumerate(candidates)
-            for depth in range(1, min(max_k, c.max_k) + 1)
-        ),
-        key=lambda g: -g[0],
-    )
-    ks = [0] * len(candidates)
-    best_n, best_rate = 0, len(candidates) / cost.cost(len(candidates))
-    emitted, drafting = float(len(candidates)), 0.0
-    for n, (gain, i) in enumerate(gains, start=1):
-        ks[i] += 1
-        emitted += gain
-        # Model drafts run their guesses one after another, batched across sequences.
-        drafting = max(drafting, candidates[i].draft_cost_per_token * ks[i])
-        rate = emitted / (cost.cost(len(candidates) + n) + drafting)
+    best_k, best_rate = 0, -1.0
+    for k in range(max_k + 1):
+        ks = [min(k, c.max_k) for c in candidates]
+        tokens = sum(1 + x for x in ks)
+        emitted = sum(expected_tokens(c.alpha, x) for c, x in zip(candidates, ks, strict=True))
+        # Model drafts run k small forwards one after another, batched across sequences.
+        drafting = max(
+            (c.draft_cost_per_token * x for c, x in zip(candidates, ks, strict=True)), default=0.0
+        )
+        rate = emitted / (cost.cost(tokens) + drafting)
         if rate > best_rate * 1.0001:
-            best_n, best_rate = n, rate
-    ks = [0] * len(candidates)
-    for _, i in gains[:best_n]:
-        ks[i] += 1
+            best_k, best_rate = k, rate
+    ks = [min(best_k, c.max_k) for c in candidates]
+    if best_k == 0:
+        return ks
+    base = sum(1 + x for x in ks)
+    for i, c in enumerate(candidates):
+        if ks[i] == 0:
+            continue
+        marginal_time = cost.cost(base) - cost.cost(base - ks[i])
+        gain = expected_tokens(c.alpha, ks[i]) - 1.0
+        # Tokens this row's drafts buy must beat what the same time buys the batch plainly.
+        plain_rate = len(candidates) / cost.cost(len(candidates))
+        if gain < marginal_time * plain_rate:
+            base -= ks[i]
+            ks[i] = 0
     return ks

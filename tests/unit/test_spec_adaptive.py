@@ -108,27 +108,3 @@ def test_adaptive_engine_exports_stats_and_metrics(tiny_model):
     assert drafted == stats["draft_tokens"] and accepted == stats["accepted_tokens"]
     count = registry.get_sample_value("splitserve_spec_decode_acceptance_length_count", labels)
     assert count == stats["verify_steps"]
-
-
-def _rate(candidates, ks, cost) -> float:
-    emitted = sum(expected_tokens(c.alpha, k) for c, k in zip(candidates, ks, strict=True))
-    return emitted / cost.cost(len(candidates) + sum(ks))
-
-
-def test_each_row_gets_the_length_its_own_acceptance_pays_for():
-    """A row the target usually agrees with drafts deeper than one it seldom does, in the
-    same step: one cap for the batch would give both the same length."""
-    ks = choose_k([Candidate(0.9, 8), Candidate(0.45, 8), Candidate(0.9, 3)], 8, _cost(0.08))
-    assert ks[0] > ks[1] > 0
-    assert ks[2] == 3  # never past what the row has
-
-
-def test_the_allocation_is_the_best_of_every_allocation():
-    import itertools
-
-    cost = _cost(0.06)
-    for alphas in ((0.9, 0.6, 0.3), (0.7, 0.7, 0.2), (0.95, 0.1, 0.5)):
-        candidates = [Candidate(a, 4) for a in alphas]
-        ks = choose_k(candidates, 4, cost)
-        best = max(_rate(candidates, list(x), cost) for x in itertools.product(range(5), repeat=3))
-        assert _rate(candidates, ks, cost) >= best * (1 - 1e-3), (alphas, ks)
