@@ -17,6 +17,13 @@ if "OMP_WAIT_POLICY" not in os.environ:
     # Marks the setting as ours, so a peer we benchmark runs with the user's own environment.
     os.environ["SPLITSERVE_OMP_WAIT_POLICY"] = "set"
 
+# Before anything loads gRPC: the launcher starts (and restarts) services with a preexec_fn,
+# so Python forks rather than spawns, and gRPC's fork handlers then run in the child before
+# its exec. With gRPC's threads busy (health checks, registrations) they aborted the child:
+# 9 of 60 starts died of SIGABRT in a measured loop, 0 of 60 with fork support off. Nothing
+# here uses gRPC in a forked child (multiprocessing spawns). An operator's setting wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 # Command -> (module defining its parser, the function that adds it). Only the module of the
 # command being run is imported (every one for `--help` or an unknown command): `eval`'s
 # module loads torch at import, and processes such as `splitserve serve coordinator` must

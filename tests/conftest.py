@@ -1,7 +1,12 @@
 """Fixtures shared by every test package."""
 
 import importlib.util
+import os
 from pathlib import Path
+
+# As `splitserve` sets it (services/cli.py): the launcher tests fork services from this
+# process, which other tests leave with gRPC threads running.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import pytest
 import torch
