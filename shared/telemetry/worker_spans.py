@@ -67,6 +67,9 @@ class _CallTrace(ABC):
         )
         self.recording = self.span.is_recording()
         self.timeline: RequestTimeline | None = None
+        # When the call's last message was handed to gRPC: the call ends there for the
+        # caller, who may close its own span before this handler's generator resumes.
+        self.last_sent_ns: int | None = None
 
     def __enter__(self):
         if self.recording:
@@ -74,9 +77,12 @@ class _CallTrace(ABC):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # The call ended now: building its engine spans below is bookkeeping after it, and
-        # must not stretch the span past the coordinator's end of the same call.
+        # The call ended when its last message left (or now, if it ended otherwise):
+        # resuming this handler after that write, and building its engine spans below, is
+        # bookkeeping after it and must not stretch the span past the caller's own span.
         ended_ns = time.time_ns()
+        if exc is None and self.last_sent_ns is not None:
+            ended_ns = self.last_sent_ns
         self.owner.recorder.unwatch(self.request_id)
         if exc is not None:
             if isinstance(exc, asyncio.CancelledError | GeneratorExit):
@@ -139,8 +145,9 @@ class PrefillTrace(_CallTrace):
     def record_first_token(self, first: pb.PrefillFirstToken) -> None:
         """The first token, as it leaves for the coordinator (the push starts after): its
         time now, its attributes when the call ends (they would delay the token)."""
+        self.last_sent_ns = time.time_ns()
         if self.recording:
-            self._first = (first, time.time_ns())
+            self._first = (first, self.last_sent_ns)
 
     def _before_end(self) -> None:
         if self._first is None:
@@ -159,9 +166,10 @@ class PrefillTrace(_CallTrace):
 
     def record_transfer(self, t: pb.TransferOutcome) -> None:
         """The KV push's outcome: its span ends now (the push was the call's last part)."""
+        now = time.time_ns()
+        self.last_sent_ns = now
         if not self.recording or not t.status or t.status == "skipped":
             return
-        now = time.time_ns()
         attributes = {
             A.TRANSFER_BACKEND: t.backend,
             A.TRANSFER_BYTES: t.nbytes,
@@ -201,8 +209,9 @@ class DecodeTrace(_CallTrace):
         if not self.recording:
             return
         if chunk.handed_over:  # no tokens: the stream goes on elsewhere
+            self.last_sent_ns = time.time_ns()
             self.span.add_event(
-                A.EVENT_HANDED_OVER, {"reason": chunk.handed_over}, timestamp=time.time_ns()
+                A.EVENT_HANDED_OVER, {"reason": chunk.handed_over}, timestamp=self.last_sent_ns
             )
             return
         self.chunks_seen += 1
@@ -221,7 +230,8 @@ class DecodeTrace(_CallTrace):
                     A.RESPONSE_FINISH_REASONS: [chunk.finish_reason],
                 }
             )
-            self.span.add_event(A.EVENT_STREAM_END, timestamp=time.time_ns())
+            self.last_sent_ns = time.time_ns()
+            self.span.add_event(A.EVENT_STREAM_END, timestamp=self.last_sent_ns)
 
     def _engine_spans(self, timeline: RequestTimeline) -> None:
         admitted_ns = timeline.watched_ns

@@ -215,6 +215,36 @@ def test_decode_spans_local_prefill_and_outcomes(setup):
     assert steps.attributes["splitserve.decode.steps"] == 2
 
 
+def test_a_call_ends_when_its_last_message_leaves_not_when_its_handler_resumes(setup):
+    """gRPC resumes a streaming handler only after its last message was written, and the
+    caller may close its own span first: the server span must not outlast the caller's."""
+    import time
+
+    _, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="late", prompt_token_ids=PROMPT)
+    with spans.decode(pb.DecodeRequest(spec=spec), ()) as call:
+        call.observe(pb.DecodeChunk(token_ids=[6], finished=True, num_output_tokens=1))
+        sent_ns = time.time_ns()
+        time.sleep(0.03)  # the handler resumes late
+    with spans.prefill(pb.PrefillRequest(spec=spec), ()) as call:
+        call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
+        call.record_transfer(pb.TransferOutcome(status="done", backend="shm", seconds=0.001))
+        pushed_ns = time.time_ns()
+        time.sleep(0.03)
+    with pytest.raises(RuntimeError), spans.decode(pb.DecodeRequest(spec=spec), ()) as call:
+        call.observe(pb.DecodeChunk(token_ids=[6], finished=True, num_output_tokens=1))
+        time.sleep(0.03)
+        failed_ns = time.time_ns()
+        raise RuntimeError("failed after its last message")
+    got = _spans(exporter, tracing)
+    decoded, broken = sorted(got["splitserve.decode"], key=lambda s: s.start_time)
+    (stream_end,) = [e for e in decoded.events if e.name == "splitserve.stream_end"]
+    assert decoded.end_time == stream_end.timestamp <= sent_ns
+    (prefilled,) = got["splitserve.prefill"]
+    assert prefilled.end_time <= pushed_ns
+    assert broken.end_time >= failed_ns  # an error ends the call when it is raised
+
+
 def test_decode_admission_when_kv_arrived(setup):
     engine, _, _, spans, tracing, exporter = setup
     spec = pb.GenerateSpec(request_id="d2", prompt_token_ids=PROMPT)
