@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
-# Before anything loads torch (and with it OpenMP): by default OpenMP's threads spin for a
-# while after each parallel op, and on a small box that spinning takes the very core the
-# native decode step's second thread needs next (measured: a 512-context decode step 14.0 ms
-# spinning vs 10.0 ms passive on 2 cores). An operator's own setting wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    # Marks the setting as ours, so a peer we benchmark runs with the user's own environment.
-    os.environ["SPLITSERVE_OMP_WAIT_POLICY"] = "set"
+from shared.process_defaults import apply_process_defaults
 
-# Before anything loads gRPC: the launcher starts (and restarts) services with a preexec_fn,
-# so Python forks rather than spawns, and gRPC's fork handlers then run in the child before
-# its exec. With gRPC's threads busy (health checks, registrations) they aborted the child:
-# 9 of 60 starts died of SIGABRT in a measured loop, 0 of 60 with fork support off. Nothing
-# here uses gRPC in a forked child (multiprocessing spawns). An operator's setting wins.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+# Before anything loads torch or gRPC (the module says why).
+apply_process_defaults()
 
 # Command -> (module defining its parser, the function that adds it). Only the module of the
 # command being run is imported (every one for `--help` or an unknown command): `eval`'s

@@ -19,6 +19,7 @@ from shared.engine.model_setup import load_serving_model
 from shared.kvcache.kv_dtype import resolve_kv_dtype
 from shared.model.llama import LlamaModel
 from shared.modelfile.default import default_model_path
+from shared.process_defaults import OURS_MARKER
 from shared.sampling.params import SamplingParams
 
 CONTEXT = 512
@@ -184,7 +185,7 @@ def llama_bench_peer(binary: str, model_path: str, threads: int, shape: BenchSha
     pp = str(shape.prefill_tokens)
     cmd = [binary, "-m", model_path, "-t", str(threads), "-p", pp, "-n", "128", "-o", "json"]
     env = dict(os.environ)
-    if env.pop("SPLITSERVE_OMP_WAIT_POLICY", None):
+    if env.pop(OURS_MARKER, None):
         # Our processes sleep OpenMP threads between ops; llama.cpp's decode (also OpenMP)
         # measured 5x slower that way. The peer gets the environment the user gave us.
         env.pop("OMP_WAIT_POLICY", None)
