@@ -1,6 +1,7 @@
 """Fixtures shared by every test package."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 from shared.process_defaults import apply_process_defaults
@@ -90,7 +91,11 @@ def pytest_collection_modifyitems(session, config, items):
     # The image tests run last: their build then overlaps the whole suite instead of the
     # few files collected before them (sorted stably, so every other order is kept).
     items.sort(key=lambda item: item.path.name == image_build.TEST_FILE)
-    if wanted and len(items) > 3 and image_build.why_no_containers() is None:
+    # Under xdist every worker collects every test: only the first starts the build. A worker
+    # that runs the image tests without it runs image/build.sh itself, which waits on the
+    # build's lock and then finds the archive up to date.
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if wanted and first_worker and len(items) > 3 and image_build.why_no_containers() is None:
         config.stash[_IMAGE_BUILD_KEY] = image_build.BackgroundBuild()
 
 
