@@ -18,7 +18,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -34,25 +33,16 @@ import yaml
 
 from services.launcher.presets import loopback_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
-from tests.image_build import why_no_containers
+from tests.image_build import ARCHIVE, chart_image, unpack_bundle, why_no_containers
 from tests.reference import greedy_reference
 
 pytestmark = pytest.mark.real_model
 
 REPO = Path(__file__).resolve().parents[2]
-ARCHIVE = REPO / "build" / "splitserve-image.oci.tar"
 BUILD_TIMEOUT_S = 1800
 READY = re.compile(r"splitserve is ready: (http://\S+/v1)")
 QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 16
-
-
-def _chart_image() -> str:
-    """The image the chart runs by default: repository, and tag defaulting to appVersion."""
-    chart = REPO / "helm" / "splitserve"
-    values = yaml.safe_load((chart / "values.yaml").read_text())["image"]
-    app_version = yaml.safe_load((chart / "Chart.yaml").read_text())["appVersion"]
-    return f"{values['repository']}:{values['tag'] or app_version}"
 
 
 @pytest.fixture(scope="module")
@@ -84,40 +74,17 @@ def test_archive_is_the_charts_default_image(archive):
     with tarfile.open(archive) as tar:
         index = json.load(tar.extractfile("index.json"))
     names = [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]]
-    assert names == [_chart_image()]
-
-
-def _image_cache() -> Path:
-    """image/build.sh's cache folder."""
-    explicit = os.environ.get("SPLITSERVE_IMAGE_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "splitserve" / "image"
+    assert names == [chart_image()]
 
 
 @pytest.fixture(scope="module")
 def bundle(archive) -> Path:
-    """The image unpacked into an OCI runtime bundle (rootfs + the config.json umoci derives
-    from the image). Unpacked once per archive and kept (beside the build caches): runc runs
-    the root filesystem read-only, as the chart does, so it stays as unpacked — unpacking and
-    deleting 2 GB costs minutes on a busy disk."""
-    with tarfile.open(archive) as tar:
-        index = json.load(tar.extractfile("index.json"))
-    digest = index["manifests"][0]["digest"].partition(":")[2][:16]
-    bundles = _image_cache() / "bundles"
-    path = bundles / digest
-    if not (path / "config.json").is_file():
-        shutil.rmtree(bundles, ignore_errors=True)  # the bundle of an older archive
-        work = bundles / f".unpack-{os.getpid()}"
-        layout = work / "layout"
-        layout.mkdir(parents=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(layout, filter="tar")
-        image = f"{layout}:{_chart_image()}"
-        _check(["umoci", "unpack", "--image", image, str(work / "bundle")], 900)
-        (work / "bundle").rename(path)
-        shutil.rmtree(work)
+    """The archive unpacked into a runtime bundle (tests/image_build.py: usually already
+    done by the background build)."""
+    try:
+        path = unpack_bundle(archive)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     # Whether runc can start a container here at all, with the config umoci wrote: if not, the
     # machine cannot run containers (and that is the reason to skip, not our image).
     probe = _runtime_config(path)
@@ -277,8 +244,3 @@ def _runc(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["runc", *args], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
     )
-
-
-def _check(cmd: list[str], timeout: float) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr.strip()[-2000:]}"
