@@ -55,7 +55,7 @@ up: $(STAMP)
 # tests wait on processes, sockets or the disk for part of their time, so two at once on two
 # cores measured 707 s against 1,214 s one at a time. More than four would only multiply the
 # worker stacks the integration tests start on each core.
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); print(min(4, n or 1))')
 test: $(STAMP) browser container-tools
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 

@@ -103,7 +103,7 @@ def unpack_bundle(archive: Path) -> Path:
     the root filesystem read-only, as the chart does, so it stays as unpacked — unpacking and
     deleting 2 GB costs minutes on a busy disk. Raises RuntimeError if umoci fails."""
     with tarfile.open(archive) as tar:
-        index = json.load(tar.extractfile("index.json"))  # type: ignore[arg-type]
+        index = json.load(tar.extractfile("index.json"))
     digest = index["manifests"][0]["digest"].partition(":")[2][:16]
     bundles = image_cache() / "bundles"
     path = bundles / digest
@@ -126,7 +126,6 @@ def unpack_bundle(archive: Path) -> Path:
 
 def main() -> int:
     """The background job: image/build.sh, then the archive unpacked into its bundle."""
-    sys.stdout.flush()
     code = subprocess.run([str(BUILD)], cwd=REPO).returncode
     if code != 0:
         return code

@@ -33,7 +33,7 @@ import yaml
 
 from services.launcher.presets import loopback_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
-from tests.image_build import ARCHIVE, chart_image, unpack_bundle, why_no_containers
+from tests.image_build import ARCHIVE, BUILD, chart_image, unpack_bundle, why_no_containers
 from tests.reference import greedy_reference
 
 pytestmark = pytest.mark.real_model
@@ -55,7 +55,7 @@ def archive(background_image_build) -> Path:
         code, log = background_image_build.wait(BUILD_TIMEOUT_S)
     else:
         done = subprocess.run(
-            [str(REPO / "image" / "build.sh")],
+            [str(BUILD)],
             cwd=REPO,
             env={**os.environ, "PYTHON": sys.executable},
             capture_output=True,
