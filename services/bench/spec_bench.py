@@ -167,8 +167,9 @@ def run(
     kv_dtype = resolve_kv_dtype(EngineConfig().kv_cache_dtype)[0]
     model, choice = load_serving_model(path, weights, threads=threads, kv_dtype=kv_dtype)
     checkpoint = read_checkpoint(path)  # fp32 tensors, for training the head
+    # The replay's KV room holds a full batch of multi-turn conversations (64 x ~600 tokens).
     replay = Engine(
-        EngineConfig(model=path, weights=weights, kv_cache_bytes=256 << 20, num_threads=threads),  # type: ignore[arg-type]
+        EngineConfig(model=path, weights=weights, kv_cache_bytes=2 << 30, num_threads=threads),  # type: ignore[arg-type]
         model=model,
         tokenizer=tokenizer,
     )
@@ -191,6 +192,8 @@ def run(
             32 if quick else 128,
             24 if quick else None,
             32 if quick else 160,
+            # Two more turns per persona conversation: the timed chat replies are third turns.
+            1 if quick else 2,
         )
         log(f"[bench] {replayed[0]} replayed turns logged to {log_path} in {replayed[1]:.0f} s")
         head = train_bench_head(

@@ -4,7 +4,8 @@ of chat traffic the bench replays itself, never on the replies it times.
 The log holds (1) the earlier turns of the bench's chat conversations with the target's own
 replies (the replay load_prompt_sets runs anyway; the timed prompts are the *last* turns,
 whose replies are never logged), (2) the bundled persona chat prompts
-(shared/speculative/data/draft_prompts.jsonl) and (3) editing-app requests
+(shared/speculative/data/draft_prompts.jsonl), each followed by `follow_up_turns` more turns
+whose user messages the target writes itself (simulated_users.py), and (3) editing-app requests
 (editing_tasks.py: copy-with-edits traffic like the timed grounded set, on other texts), each
 with the target's greedy replies: app-like traffic, written through the same
 TrainingLogWriter the coordinator uses. Without (3) the head learnt chat only and lost on
@@ -13,17 +14,19 @@ grounded (0.91x, session 9); a copying reply is where a head's chains run longes
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.bench.editing_tasks import editing_conversations
+from services.bench.simulated_users import Message, follow_ups, message_text
 from shared.engine.engine import Engine
 from shared.model.gguf_file import Checkpoint
 from shared.model.llama import LlamaModel
 from shared.sampling.params import SamplingParams
-from shared.speculative.draft_data import DEFAULT_PROMPTS, load_prompts
+from shared.speculative.draft_data import DEFAULT_PROMPTS
 from shared.speculative.head_train import HeadTrainConfig, HeadTrainReport, train_head
 from shared.speculative.training_log import LoggedTurn, TrainingLogWriter, read_training_log
 from shared.tokenizer import Tokenizer
@@ -55,6 +58,12 @@ class BenchHead:
         }
 
 
+def persona_conversations(limit: int | None = None) -> list[list[Message]]:
+    """The bundled persona chat prompts as messages (each ends with a user turn)."""
+    rows = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
+    return [row["messages"] for row in rows][:limit]
+
+
 def write_replay_log(
     log_path: Path,
     replay: Engine,
@@ -64,27 +73,40 @@ def write_replay_log(
     reply_tokens: int,
     max_prompts: int | None = None,
     editing_tokens: int | None = None,
+    follow_up_turns: int = 0,
 ) -> tuple[int, float]:
     """The training log of replayed traffic; returns (turns logged, replay wall seconds).
     `editing_tokens` caps the editing replies (default `reply_tokens`): they copy a whole
-    passage, so they run longer than a chat reply."""
+    passage, so they run longer than a chat reply. `follow_up_turns`: turns added to each
+    persona conversation, the user's side written by the target (simulated_users.py)."""
     log_path.unlink(missing_ok=True)
     writer = TrainingLogWriter(log_path, 1.0)
     writer.write([LoggedTurn(model_id, "default", p, r) for p, r in earlier_turns])
-    seconds = 0.0
-    chat = load_prompts(DEFAULT_PROMPTS, tokenizer)[:max_prompts]
+
+    def logged(turns: list[tuple[list[int], list[int]]]) -> None:
+        writer.write([LoggedTurn(model_id, "default", p, r) for p, r in turns])
+
+    start = time.monotonic()
+    chats = persona_conversations(max_prompts)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c)) for c in chats]
+    replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=reply_tokens))
+    logged(list(zip(prompts, replies, strict=True)))
+    histories = [
+        [*c, {"role": "assistant", "content": message_text(tokenizer, r)}]
+        for c, r in zip(chats, replies, strict=True)
+    ]
+    for turn in range(follow_up_turns):
+        added = follow_ups(replay, tokenizer, histories, reply_tokens, seed=turn * len(chats))
+        logged([(p, r) for _, p, r in added])
+        histories = [h for h, _, _ in added]
     editing = [
         tokenizer.encode(tokenizer.apply_chat_template(c))
         for c in editing_conversations(max_prompts)
     ]
-    for prompts, cap in ((chat, reply_tokens), (editing, editing_tokens or reply_tokens)):
-        start = time.monotonic()
-        replies = replay.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cap))
-        seconds += time.monotonic() - start
-        writer.write(
-            [LoggedTurn(model_id, "default", p, r) for p, r in zip(prompts, replies, strict=True)]
-        )
-    return writer.written, seconds
+    cap = editing_tokens or reply_tokens
+    edits = replay.generate(editing, SamplingParams(temperature=0.0, max_tokens=cap))
+    logged(list(zip(editing, edits, strict=True)))
+    return writer.written, time.monotonic() - start
 
 
 def train_bench_head(

@@ -80,6 +80,14 @@ def add_command(sub) -> None:
         help="with --from-log: the head's training arithmetic (auto: time a step of each "
         "here and keep the faster; bf16 runs under autocast with fp32 master weights)",
     )
+    t.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="with --from-log: stop after this many optimizer steps (the learning-rate "
+        "schedule follows steps instead of CPU time: the same head on any machine, budget "
+        "permitting)",
+    )
     t.set_defaults(handler=run_train)
     g = draft_sub.add_parser(
         "gate",
@@ -124,6 +132,8 @@ def run_train(args: argparse.Namespace) -> int:
         return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
     if args.lr is not None and not args.lr > 0:
         return fail(f"--lr must be > 0, got {args.lr}")
+    if args.max_steps is not None and args.max_steps < 1:
+        return fail(f"--max-steps must be >= 1, got {args.max_steps}")
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     layers = None
@@ -135,6 +145,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     if args.from_log:
         return run_train_head(args)
+    if args.max_steps is not None:
+        return fail("--max-steps applies to a head trained --from-log")
 
     import torch
 
@@ -187,9 +199,11 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_train_head(args: argparse.Namespace) -> int:
-    """`--from-log`: the target's states are recomputed from the logged token ids."""
+    """`--from-log`: the target's states are recomputed from the logged token ids, by the
+    model's fp32 prompt path, which computes a prefix a later turn resends only once."""
     import torch
 
+    from shared.model.llama import LlamaModel
     from shared.speculative.head_file import trained_head_path
     from shared.speculative.head_train import HeadTrainConfig, train_head
 
@@ -210,11 +224,15 @@ def run_train_head(args: argparse.Namespace) -> int:
         lr=args.lr or HeadTrainConfig().lr,
         seed=args.seed,
         precision=args.precision,
+        max_steps=args.max_steps,
     )
     stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
     _stderr(f"[head] {len(conversations)} logged conversations from {args.from_log}")
     try:
-        report = train_head(checkpoint, conversations, out, fingerprint, stop_ids, config, _stderr)
+        serving = LlamaModel(checkpoint, weights="fp32")
+        report = train_head(
+            checkpoint, conversations, out, fingerprint, stop_ids, config, _stderr, serving
+        )
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     size_mb = report.path.stat().st_size / 1e6

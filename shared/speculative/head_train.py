@@ -166,32 +166,73 @@ def _serving_states(
     log: Callable[[str], None],
     label_prompt: bool,
 ) -> list[HeadSample]:
+    """As the serving engine's prefix cache does: a conversation's positions shared with the
+    one computed before it (a chat's next turn resends the last one whole) keep their KV and
+    states, and only the rest is computed. `prefix_order` puts each turn right after the
+    one it extends."""
     block = 16
     limit = model.config.max_position
     longest = min(limit, max(len(ids) for ids, _ in conversations))
     table = list(range(-(-longest // block)))
     pool = KVPool(model.kv_layout(block, torch.float32), len(table))
     out: list[HeadSample] = []
-    tokens = 0
+    tokens = computed = 0
     last_log = time.monotonic()
+    previous: list[int] = []
+    previous_states = torch.empty(0, model.config.hidden_size)
     for ids, prompt_len in conversations:
         if stop():
             break
         ids = ids[:limit]
-        parts = []
-        for a in range(0, len(ids), _CHUNK):
+        # The pool holds `previous`'s KV at positions [0, len(previous)): the shared ones
+        # are this conversation's too (causal attention: a position sees only those before).
+        shared = _common_prefix(previous, ids)
+        parts = [previous_states[:shared]]
+        for a in range(shared, len(ids), _CHUNK):
             chunk = ids[a : a + _CHUNK]
             meta = AttentionMetadata([len(chunk)], [a + len(chunk)], [table], block)
-            parts.append(model.forward_path(torch.tensor(chunk), meta, pool, decode=False))
-        states = torch.cat(parts).float()
+            parts.append(model.forward_path(torch.tensor(chunk), meta, pool, decode=False).float())
+        states = torch.cat(parts)
+        previous, previous_states = ids, states
         logits_of = lambda h: model.logits(h, decode=False)  # noqa: E731
         out.append(_sample(ids, prompt_len, states, logits_of, top_k, label_prompt))
         tokens += len(ids)
+        computed += len(ids) - shared
         if time.monotonic() - last_log > 10:
             last_log = time.monotonic()
             log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
-    log(f"[head] target states: {len(out)} conversations, {tokens} tokens")
+    log(
+        f"[head] target states: {len(out)} conversations, {tokens} tokens "
+        f"({computed} computed, the rest shared with the turn before)"
+    )
     return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def prefix_order(
+    conversations: Sequence[tuple[list[int], int]], rng: random.Random
+) -> list[tuple[list[int], int]]:
+    """The conversations with each chat's turns together, each right after the turn it
+    extends (the next turn's prompt begins with the last one's), the chats in random order:
+    state recomputation then shares every resent prefix, and a budget that runs out cuts
+    whole chats drawn at random, not one end of a sorted list."""
+    chats: list[list[tuple[list[int], int]]] = []
+    for ids, prompt_len in sorted(conversations, key=lambda c: c[0]):
+        if chats:
+            last_ids, last_prompt = chats[-1][-1]
+            if len(ids) > last_prompt and ids[:last_prompt] == last_ids[:last_prompt]:
+                chats[-1].append((ids, prompt_len))
+                continue
+        chats.append([(ids, prompt_len)])
+    rng.shuffle(chats)
+    return [turn for chat in chats for turn in chat]
 
 
 def train_head(
@@ -217,7 +258,7 @@ def train_head(
     if not held_in or not train_in:  # tiny logs: the last conversation is held out
         held_in, train_in = usable[-1:], usable[:-1]
     rng = random.Random(config.seed)
-    rng.shuffle(train_in)
+    held_in, train_in = prefix_order(held_in, rng), prefix_order(train_in, rng)
     data_deadline = start + budget * config.data_share
     # Held-out first: a budget that runs out while recomputing states cuts training data.
     samples = target_states(

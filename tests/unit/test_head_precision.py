@@ -142,3 +142,14 @@ def test_the_cli_leaves_the_learning_rate_to_each_trainer_and_refuses_a_non_posi
     args = parser.parse_args(["draft", "train", "--from-log", "x.jsonl", "--lr", "0"])
     assert args.handler(args) != 0
     assert "--lr must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_max_steps_below_one_or_without_a_log(capsys):
+    parser = argparse.ArgumentParser(prog="splitserve")
+    draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["draft", "train", "--from-log", "x.jsonl", "--max-steps", "0"])
+    assert args.handler(args) != 0
+    assert "--max-steps must be >= 1, got 0" in capsys.readouterr().err
+    args = parser.parse_args(["draft", "train", "--max-steps", "5"])
+    assert args.handler(args) != 0
+    assert "--max-steps applies to a head trained --from-log" in capsys.readouterr().err

@@ -6,6 +6,7 @@ sampling keeps the target's distribution."""
 from __future__ import annotations
 
 import argparse
+import random
 from collections import Counter
 
 import pytest
@@ -302,12 +303,16 @@ def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
         log.write([LoggedTurn("tiny", "default", p, e)])
     out = tmp_path / "tiny.head.pt"
     argv = ["draft", "train", "--model", str(folder), "--from-log", str(log.path)]
-    argv += ["--out", str(out), "--max-minutes", "0.05", "--vocab-size", "256", "--threads", "1"]
+    argv += ["--out", str(out), "--max-minutes", "1", "--vocab-size", "256", "--threads", "1"]
+    # A fixed number of steps in fp32: the same head on any machine (a CPU-time budget trains
+    # as many steps as the machine's speed and load allow).
+    argv += ["--max-steps", "80", "--precision", "fp32"]
     parser = argparse.ArgumentParser(prog="splitserve")
     draft_cmd.add_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     assert args.handler(args) == 0
     captured = capsys.readouterr()
+    assert "after 80 steps" in captured.out
     assert "held-out first-guess agreement" in captured.out
     assert "[head] 8 logged conversations" in captured.err and "[head] saved" in captured.err
     fingerprint = f"untokenized:{read_checkpoint(str(folder)).source}"  # the CLI's, for a folder
@@ -412,3 +417,51 @@ def test_the_serving_path_teaches_the_same_states_and_labels_every_position(tiny
         reply = s.teacher.top_ids[prompt_len - 1 :]
         assert (reply[:, 0] == d.teacher.top_ids[:, 0]).all()
         assert s.teacher.top_ids.shape[0] == len(ids)
+
+
+def test_a_resent_conversation_shares_its_states_and_they_equal_a_fresh_computation(
+    tiny_model, plain
+):
+    """A chat's next turn resends the last one whole: its shared positions' states come from
+    the turn before (their KV kept in the pool), the rest are computed, and every state equals
+    what the conversation computed on its own gives."""
+    from shared.speculative.head_train import target_states
+
+    prompts, replies = plain
+    first = (prompts[0] + replies[0], len(prompts[0]))
+    extended = first[0] + prompts[1] + replies[1]
+    second = (extended, len(first[0]) + len(prompts[1]))
+    lines: list[str] = []
+    never = lambda: False  # noqa: E731
+    args = (tiny_checkpoint(seed=0), [first, second], 4, never, lines.append)
+    shared = target_states(*args, serving=tiny_model, label_prompt=True)
+    # The first turn's positions once, then only what the second turn added.
+    assert f"{len(first[0]) + len(extended)} tokens ({len(extended)} computed" in lines[-1]
+    for conversation, sample in zip([first, second], shared, strict=True):
+        alone = target_states(*args[:1], [conversation], *args[2:], serving=tiny_model,
+                              label_prompt=True)[0]  # fmt: skip
+        torch.testing.assert_close(sample.states.float(), alone.states.float(), atol=1e-2, rtol=0)
+        assert (sample.teacher.top_ids[:, 0] == alone.teacher.top_ids[:, 0]).all()
+
+
+def test_prefix_order_keeps_a_chats_turns_together_in_order_and_shuffles_the_chats():
+    from shared.speculative.head_train import prefix_order
+
+    def chat(root: int, turns: int) -> list[tuple[list[int], int]]:
+        ids, out = [root, root], []
+        for turn in range(turns):
+            prompt = ids + [100 + turn]
+            out.append((prompt + [200 + turn], len(prompt)))
+            ids = prompt + [200 + turn]
+        return out
+
+    chats = [chat(root, 3) for root in range(1, 9)]
+    turns = [t for c in chats for t in reversed(c)]
+    orders = set()
+    for seed in range(4):
+        ordered = prefix_order(turns, random.Random(seed))
+        assert sorted(map(str, ordered)) == sorted(map(str, turns))  # nothing lost or added
+        groups = [ordered[i : i + 3] for i in range(0, len(ordered), 3)]
+        assert sorted(map(str, groups)) == sorted(map(str, chats))  # each chat whole, in order
+        orders.add(tuple(g[0][0][0] for g in groups))
+    assert len(orders) > 1  # the chats' order is drawn, not sorted
