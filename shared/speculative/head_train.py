@@ -147,9 +147,26 @@ def _sample(
     # Token j's label is the distribution at the position before it; one row more labels
     # what follows the last token (a head slot predicts two ahead).
     first = 1 if label_prompt else prompt_len
-    logits = logits_of(states[first - 1 :]).float()
-    top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
-    teacher_sample = TeacherSample(ids, first, top.indices, top.values)
+    top_ids, top_logprobs = _top_k(logits_of, states[first - 1 :], top_k)
+    return _labelled(ids, prompt_len, first, states, top_ids, top_logprobs)
+
+
+def _top_k(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    top = torch.log_softmax(logits_of(states).float(), dim=-1).topk(k, dim=-1)
+    return top.indices, top.values
+
+
+def _labelled(
+    ids: list[int],
+    prompt_len: int,
+    first: int,
+    states: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_logprobs: torch.Tensor,
+) -> HeadSample:
+    teacher_sample = TeacherSample(ids, first, top_ids, top_logprobs)
     return HeadSample(teacher_sample, states.to(torch.bfloat16).clone(), prompt_len)
 
 
@@ -180,6 +197,9 @@ def _serving_states(
     last_log = time.monotonic()
     previous: list[int] = []
     previous_states = torch.empty(0, model.config.hidden_size)
+    previous_first = 1
+    previous_top = (torch.empty(0, top_k, dtype=torch.long), torch.empty(0, top_k))
+    logits_of = lambda h: model.logits(h, decode=False)  # noqa: E731
     for ids, prompt_len in conversations:
         if stop():
             break
@@ -193,9 +213,19 @@ def _serving_states(
             meta = AttentionMetadata([len(chunk)], [a + len(chunk)], [table], block)
             parts.append(model.forward_path(torch.tensor(chunk), meta, pool, decode=False).float())
         states = torch.cat(parts)
+        # Labels: the distributions at positions first - 1 .. len(ids) - 1. Those of shared
+        # positions are the previous conversation's (it labelled from `previous_first`).
+        first = 1 if label_prompt else prompt_len
+        reused = max(0, shared - (first - 1)) if previous_first <= first else 0
+        taken = slice(first - previous_first, first - previous_first + reused)
+        top_ids, top_logprobs = previous_top[0][taken], previous_top[1][taken]
+        if first - 1 + reused < len(ids):  # else a turn already computed whole
+            new_ids, new_logprobs = _top_k(logits_of, states[first - 1 + reused :], top_k)
+            top_ids = torch.cat([top_ids, new_ids])
+            top_logprobs = torch.cat([top_logprobs, new_logprobs])
         previous, previous_states = ids, states
-        logits_of = lambda h: model.logits(h, decode=False)  # noqa: E731
-        out.append(_sample(ids, prompt_len, states, logits_of, top_k, label_prompt))
+        previous_first, previous_top = first, (top_ids, top_logprobs)
+        out.append(_labelled(ids, prompt_len, first, states, top_ids, top_logprobs))
         tokens += len(ids)
         computed += len(ids) - shared
         if time.monotonic() - last_log > 10:

@@ -419,8 +419,9 @@ def test_the_serving_path_teaches_the_same_states_and_labels_every_position(tiny
         assert s.teacher.top_ids.shape[0] == len(ids)
 
 
+@pytest.mark.parametrize("label_prompt", [True, False], ids=["every-position", "replies"])
 def test_a_resent_conversation_shares_its_states_and_they_equal_a_fresh_computation(
-    tiny_model, plain
+    tiny_model, plain, label_prompt
 ):
     """A chat's next turn resends the last one whole: its shared positions' states come from
     the turn before (their KV kept in the pool), the rest are computed, and every state equals
@@ -434,14 +435,22 @@ def test_a_resent_conversation_shares_its_states_and_they_equal_a_fresh_computat
     lines: list[str] = []
     never = lambda: False  # noqa: E731
     args = (tiny_checkpoint(seed=0), [first, second], 4, never, lines.append)
-    shared = target_states(*args, serving=tiny_model, label_prompt=True)
+    shared = target_states(*args, serving=tiny_model, label_prompt=label_prompt)
     # The first turn's positions once, then only what the second turn added.
     assert f"{len(first[0]) + len(extended)} tokens ({len(extended)} computed" in lines[-1]
     for conversation, sample in zip([first, second], shared, strict=True):
         alone = target_states(*args[:1], [conversation], *args[2:], serving=tiny_model,
-                              label_prompt=True)[0]  # fmt: skip
+                              label_prompt=label_prompt)[0]  # fmt: skip
         torch.testing.assert_close(sample.states.float(), alone.states.float(), atol=1e-2, rtol=0)
         assert (sample.teacher.top_ids[:, 0] == alone.teacher.top_ids[:, 0]).all()
+        torch.testing.assert_close(
+            sample.teacher.top_logprobs, alone.teacher.top_logprobs, atol=1e-3, rtol=0
+        )
+    # A turn resent whole after the one that extends it shares everything, labels included.
+    again = target_states(*args[:1], [second, first], *args[2:], serving=tiny_model,
+                          label_prompt=label_prompt)  # fmt: skip
+    assert f"({len(extended)} computed" in lines[-1] and len(again[1].states) == len(first[0])
+    assert torch.equal(again[1].teacher.top_ids, shared[0].teacher.top_ids)
 
 
 def test_prefix_order_keeps_a_chats_turns_together_in_order_and_shuffles_the_chats():
