@@ -1,6 +1,6 @@
 """`splitserve draft gate`: a new draft ships only if it pays on replayed traffic.
 
-The held-out slice of the training log (training_log.is_heldout: the conversations the
+The held-out slice of the training log (training_log.split_heldout: the chats the
 trainer never saw) is replayed greedy at each production batch size with no draft, with the
 draft in service (if any) and with the candidate, on the same loaded weights, the three
 taking turns prompt by prompt (batch 8: twice over the batch, in alternating order). The candidate

@@ -264,7 +264,7 @@ def run_gate(args: argparse.Namespace) -> int:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.model.llama import LlamaModel
-    from shared.speculative.training_log import is_heldout
+    from shared.speculative.training_log import split_heldout
 
     torch.set_num_threads(args.threads)
     try:
@@ -272,9 +272,10 @@ def run_gate(args: argparse.Namespace) -> int:
         model = LlamaModel(checkpoint, weights=args.weights)
     except ValueError as exc:
         return fail(str(exc))
-    prompts = [
-        t.prompt_token_ids for t in turns if is_heldout(t.prompt_token_ids, args.heldout_fraction)
-    ][: args.max_prompts]
+    held_chats, _ = split_heldout([t.conversation for t in turns], args.heldout_fraction)
+    held = {tuple(ids[:prompt_len]) for chat in held_chats for ids, prompt_len in chat}
+    prompts = [t.prompt_token_ids for t in turns if tuple(t.prompt_token_ids) in held]
+    prompts = prompts[: args.max_prompts]
     if not prompts:
         return fail(f"{args.from_log}: no held-out conversations to replay")
     salt = None if tokenizer else f"untokenized:{checkpoint.source}".encode()

@@ -13,8 +13,8 @@ Each training window starts at a random point of the prompt, because serving han
 head no states for a prefix served from cache (head_proposer.py), and a little uniform noise
 on the input states stands in for the error of chained predictions.
 
-The held-out split is by a hash of the prompt (training_log.is_heldout), the slice
-`splitserve draft gate` replays. Budget and learning rate follow CPU time
+The held-out split is by chat, by a hash of its first prompt (training_log.split_heldout),
+the slice `splitserve draft gate` replays. Budget and learning rate follow CPU time
 (time.process_time) as in draft_train.py.
 """
 
@@ -39,7 +39,7 @@ from shared.speculative.draft_model import model_from_checkpoint
 from shared.speculative.draft_train import clock_line, lr_factor
 from shared.speculative.head_file import save_head
 from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
-from shared.speculative.training_log import is_heldout
+from shared.speculative.training_log import Conversation, split_heldout
 
 
 @dataclass(frozen=True)
@@ -246,23 +246,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def prefix_order(
-    conversations: Sequence[tuple[list[int], int]], rng: random.Random
-) -> list[tuple[list[int], int]]:
-    """The conversations with each chat's turns together, each right after the turn it
-    extends (the next turn's prompt begins with the last one's), the chats in random order:
-    state recomputation then shares every resent prefix, and a budget that runs out cuts
-    whole chats drawn at random, not one end of a sorted list."""
-    chats: list[list[tuple[list[int], int]]] = []
-    for ids, prompt_len in sorted(conversations, key=lambda c: c[0]):
-        if chats:
-            last_ids, last_prompt = chats[-1][-1]
-            if len(ids) > last_prompt and ids[:last_prompt] == last_ids[:last_prompt]:
-                chats[-1].append((ids, prompt_len))
-                continue
-        chats.append([(ids, prompt_len)])
-    rng.shuffle(chats)
-    return [turn for chat in chats for turn in chat]
+def prefix_order(chats: Sequence[Sequence[Conversation]], rng: random.Random) -> list[Conversation]:
+    """The chats' turns (training_log.group_chats), each chat's together and in order, the
+    chats in random order: state recomputation then shares every resent prefix, and a budget
+    that runs out cuts whole chats drawn at random, not one end of a sorted list."""
+    shuffled = list(chats)
+    rng.shuffle(shuffled)
+    return [turn for chat in shuffled for turn in chat]
 
 
 def train_head(
@@ -283,12 +273,11 @@ def train_head(
     usable = [(ids, p) for ids, p in conversations if 1 <= p < len(ids)]
     if len(usable) < 2:
         raise ValueError("training needs at least 2 logged conversations with a completion")
-    held_in = [c for c in usable if is_heldout(c[0][: c[1]], config.heldout_fraction)]
-    train_in = [c for c in usable if not is_heldout(c[0][: c[1]], config.heldout_fraction)]
-    if not held_in or not train_in:  # tiny logs: the last conversation is held out
-        held_in, train_in = usable[-1:], usable[:-1]
+    held_chats, train_chats = split_heldout(usable, config.heldout_fraction)
+    if not held_chats or not train_chats:  # tiny logs: the last conversation is held out
+        held_chats, train_chats = [[c] for c in usable[-1:]], [[c] for c in usable[:-1]]
     rng = random.Random(config.seed)
-    held_in, train_in = prefix_order(held_in, rng), prefix_order(train_in, rng)
+    held_in, train_in = prefix_order(held_chats, rng), prefix_order(train_chats, rng)
     data_deadline = start + budget * config.data_share
     # Held-out first: a budget that runs out while recomputing states cuts training data.
     samples = target_states(

@@ -17,10 +17,12 @@ import random
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 LOG_VERSION = 1
+Conversation = tuple[list[int], int]  # (prompt + completion ids, prompt length)
 
 
 class TrainingLogError(ValueError):
@@ -35,7 +37,7 @@ class LoggedTurn:
     completion_token_ids: list[int]
 
     @property
-    def conversation(self) -> tuple[list[int], int]:
+    def conversation(self) -> Conversation:
         """(prompt + completion, prompt length): what the head trainer reads."""
         return self.prompt_token_ids + self.completion_token_ids, len(self.prompt_token_ids)
 
@@ -110,7 +112,38 @@ def read_training_log(path: str | Path, model: str | None = None) -> list[Logged
 
 
 def is_heldout(prompt_token_ids: list[int], fraction: float) -> bool:
-    """The held-out split, by a stable hash of the prompt: the trainer never trains on these
-    and `splitserve draft gate` replays exactly these, whatever order the log is read in."""
+    """Whether a chat whose first prompt this is is held out, by a stable hash of the prompt
+    (whatever order the log is read in): see split_heldout."""
     digest = zlib.crc32(",".join(map(str, prompt_token_ids)).encode())
     return digest % 10_000 < fraction * 10_000
+
+
+def group_chats(conversations: Sequence[Conversation]) -> list[list[Conversation]]:
+    """The logged turns grouped by chat, each chat's turns in order: a chat's next request
+    resends the last one's prompt (and its reply) and adds to it, so a turn whose ids begin
+    with the previous turn's prompt, in sorted order, continues that chat. (A client that
+    rewrote its history starts a new chat here; nothing is lost, only shared less.)"""
+    chats: list[list[Conversation]] = []
+    for ids, prompt_len in sorted(conversations, key=lambda c: c[0]):
+        if chats:
+            last_ids, last_prompt = chats[-1][-1]
+            if len(ids) > last_prompt and ids[:last_prompt] == last_ids[:last_prompt]:
+                chats[-1].append((ids, prompt_len))
+                continue
+        chats.append([(ids, prompt_len)])
+    return chats
+
+
+def split_heldout(
+    conversations: Sequence[Conversation], fraction: float
+) -> tuple[list[list[Conversation]], list[list[Conversation]]]:
+    """(held-out chats, training chats), whole chats at a time by their first prompt's hash:
+    a later turn resends the earlier ones, so splitting turn by turn would train on a
+    held-out reply as part of a later prompt. The trainer never trains on the held-out chats
+    and `splitserve draft gate` replays exactly their turns."""
+    held: list[list[Conversation]] = []
+    train: list[list[Conversation]] = []
+    for chat in group_chats(conversations):
+        first_ids, first_prompt = chat[0]
+        (held if is_heldout(first_ids[:first_prompt], fraction) else train).append(chat)
+    return held, train

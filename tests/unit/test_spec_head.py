@@ -453,24 +453,44 @@ def test_a_resent_conversation_shares_its_states_and_they_equal_a_fresh_computat
     assert torch.equal(again[1].teacher.top_ids, shared[0].teacher.top_ids)
 
 
-def test_prefix_order_keeps_a_chats_turns_together_in_order_and_shuffles_the_chats():
+def _chat(root: int, turns: int) -> list[tuple[list[int], int]]:
+    """A chat of `turns` logged turns, each resending the one before and adding to it."""
+    ids, out = [root, root], []
+    for turn in range(turns):
+        prompt = ids + [100 + turn]
+        out.append((prompt + [200 + turn], len(prompt)))
+        ids = prompt + [200 + turn]
+    return out
+
+
+def test_turns_group_into_chats_in_order_and_the_chats_come_in_drawn_order():
     from shared.speculative.head_train import prefix_order
+    from shared.speculative.training_log import group_chats
 
-    def chat(root: int, turns: int) -> list[tuple[list[int], int]]:
-        ids, out = [root, root], []
-        for turn in range(turns):
-            prompt = ids + [100 + turn]
-            out.append((prompt + [200 + turn], len(prompt)))
-            ids = prompt + [200 + turn]
-        return out
-
-    chats = [chat(root, 3) for root in range(1, 9)]
+    chats = [_chat(root, 3) for root in range(1, 9)]
+    chats.append([([1, 1, 7, 8], 3)])  # shares a start with chat 1 but resends none of it
     turns = [t for c in chats for t in reversed(c)]
+    assert sorted(map(str, group_chats(turns))) == sorted(map(str, chats))
     orders = set()
     for seed in range(4):
-        ordered = prefix_order(turns, random.Random(seed))
+        ordered = prefix_order(group_chats(turns), random.Random(seed))
         assert sorted(map(str, ordered)) == sorted(map(str, turns))  # nothing lost or added
-        groups = [ordered[i : i + 3] for i in range(0, len(ordered), 3)]
-        assert sorted(map(str, groups)) == sorted(map(str, chats))  # each chat whole, in order
-        orders.add(tuple(g[0][0][0] for g in groups))
+        orders.add(str(ordered))
+        for chat in chats:  # each chat's turns together and in order
+            at = ordered.index(chat[0])
+            assert ordered[at : at + len(chat)] == chat
     assert len(orders) > 1  # the chats' order is drawn, not sorted
+
+
+def test_a_chat_is_held_out_whole_so_no_held_out_reply_is_trained_on():
+    from shared.speculative.training_log import is_heldout, split_heldout
+
+    chats = [_chat(root, 3) for root in range(1, 41)]
+    held, train = split_heldout([t for c in chats for t in c], 0.3)
+    assert held and train and len(held) + len(train) == len(chats)
+    for chat in held:
+        assert chat in chats and is_heldout(chat[0][0][: chat[0][1]], 0.3)
+    held_text = {tuple(ids) for chat in held for ids, _ in chat}
+    for chat in train:
+        for ids, _ in chat:
+            assert not any(tuple(ids[: len(h)]) == h for h in held_text)
