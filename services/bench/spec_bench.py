@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from services.bench.spec_head import train_bench_head, write_replay_log
-from services.bench.spec_methods import METHODS, SETS
+from services.bench.spec_methods import HEAD_MINUTES, METHODS, SETS
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.model_setup import load_serving_model
@@ -145,7 +145,7 @@ def run(
     max_tokens: int | None = None,
     draft_path: str | None = None,
     head_path: str | None = None,
-    head_minutes: float = 14.0,
+    head_minutes: float = HEAD_MINUTES,
     methods: tuple[str, ...] = METHODS,
     sets_wanted: tuple[str, ...] = SETS,
     log: Callable[[str], None] = print,

@@ -6,3 +6,6 @@ from __future__ import annotations
 # replayed chat traffic (services/bench/spec_head.py), served as a `draft`.
 METHODS = ("none", "ngram", "draft", "adaptive", "head")
 SETS = ("chat", "grounded")
+# CPU minutes to train the bench's head: its replayed log (persona chats with two follow-up
+# turns, editing requests) holds about 133k tokens whose states take about half of it.
+HEAD_MINUTES = 30.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.bench.spec_methods import METHODS, SETS
+from services.bench.spec_methods import HEAD_MINUTES, METHODS, SETS
 from services.commands.common import add_model_args, fail
 
 
@@ -28,8 +28,9 @@ def add_bench(kinds) -> None:
         help="draft head for method `head` (default: train one on the bench's replayed chat "
         "traffic, --head-minutes of CPU)",
     )
-    # Measured: held-out first-guess agreement 0.447 after 8 CPU-minutes, still rising.
-    spec.add_argument("--head-minutes", type=float, default=14.0, help="CPU minutes to train it")
+    spec.add_argument(
+        "--head-minutes", type=float, default=HEAD_MINUTES, help="CPU minutes to train it"
+    )
     spec.add_argument(
         "--methods",
         default=",".join(METHODS),
