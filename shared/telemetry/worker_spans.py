@@ -70,6 +70,9 @@ class _CallTrace(ABC):
         # When the call's last message was handed to gRPC: the call ends there for the
         # caller, who may close its own span before this handler's generator resumes.
         self.last_sent_ns: int | None = None
+        # Whether the call's final message has left: a caller that hangs up after it (the
+        # coordinator cancels a finished stream) did not cut this call short.
+        self.completed = False
 
     def __enter__(self):
         if self.recording:
@@ -81,6 +84,8 @@ class _CallTrace(ABC):
         # resuming this handler after that write, and building its engine spans below, is
         # bookkeeping after it and must not stretch the span past the caller's own span.
         ended_ns = time.time_ns()
+        if self.completed and isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            exc = None
         if exc is None and self.last_sent_ns is not None:
             ended_ns = self.last_sent_ns
         self.owner.recorder.unwatch(self.request_id)
@@ -168,6 +173,7 @@ class PrefillTrace(_CallTrace):
         """The KV push's outcome: its span ends now (the push was the call's last part)."""
         now = time.time_ns()
         self.last_sent_ns = now
+        self.completed = True
         if not self.recording or not t.status or t.status == "skipped":
             return
         attributes = {
@@ -222,6 +228,7 @@ class DecodeTrace(_CallTrace):
                 self.span.set_attribute(A.KV_WAIT_MS, chunk.kv_wait_ms)
             self.span.add_event(A.EVENT_FIRST_TOKEN, timestamp=time.time_ns())
         if chunk.finished:
+            self.completed = True
             self.span.set_attributes(
                 {
                     A.LOCAL_PREFILL: chunk.local_prefill,

@@ -298,3 +298,23 @@ def test_errors_and_cancellation(setup):
     (cancelled,) = got["splitserve.decode"]
     assert cancelled.status.status_code == otel_trace.StatusCode.UNSET
     assert cancelled.attributes["splitserve.cancelled"] is True
+
+
+def test_a_caller_hanging_up_after_the_final_message_did_not_cancel_the_call(setup):
+    """The coordinator cancels a stream once it has read the finished chunk; the handler
+    then resumes into that cancellation, which must not stretch or mark the span."""
+    import time
+
+    _, _, _, spans, tracing, exporter = setup
+    spec = pb.GenerateSpec(request_id="hung-up", prompt_token_ids=PROMPT)
+    with (
+        pytest.raises(asyncio.CancelledError),
+        spans.decode(pb.DecodeRequest(spec=spec), ()) as call,
+    ):
+        call.observe(pb.DecodeChunk(token_ids=[6], finished=True, num_output_tokens=1))
+        sent_ns = time.time_ns()
+        time.sleep(0.03)
+        raise asyncio.CancelledError()
+    (server,) = _spans(exporter, tracing)["splitserve.decode"]
+    assert server.end_time <= sent_ns
+    assert "splitserve.cancelled" not in server.attributes
