@@ -104,23 +104,53 @@ def add_command(sub) -> None:
     g.add_argument(
         "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
     )
-    g.add_argument("--weights", default="fp32", help="weight format the pool serves")
-    g.add_argument("--batches", default="1,8", help="production batch sizes, comma-separated")
-    g.add_argument("-k", "--num-speculative-tokens", type=int, default=8, dest="k")
-    g.add_argument("--max-tokens", type=int, default=64, help="reply length replayed")
-    g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
-    g.add_argument("--heldout-fraction", type=float, default=0.1, help="as the trainer's")
-    g.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    g.add_argument(
-        "--min-gain",
-        type=float,
-        default=None,
-        help="the fraction by which the candidate's tokens/s must beat each rival's "
-        "(default: the gate's, 0.03: smaller edges are within a replay's noise)",
-    )
+    _gate_options(g)
     g.add_argument("--install", default=None, help="on acceptance, copy the candidate here")
     g.add_argument("--json", default=None, help="write the verdict here")
     g.set_defaults(handler=run_gate)
+    a = draft_sub.add_parser(
+        "adapt",
+        help="online adaptation: retrain the served head from the rolling training log, gate "
+        "it, install it if it pays; every --every minutes, or --once",
+        description="Each round, once the log has gained --min-new-turns turns, the head at "
+        "--served goes on training on the log's latest --window-turns turns (a warm start: "
+        "rounds add up), is replayed by the gate of `draft gate` on the held-out chats, and "
+        "replaces the served file only if accepted (the pools' watchers swap it in between "
+        "steps). Each round is a JSON line of SERVED.adapt.jsonl. Progress goes to stderr.",
+    )
+    a.add_argument("--from-log", required=True, metavar="LOG", help="the rolling training log")
+    a.add_argument(
+        "--served", required=True, help="the head file the decode pools watch (draft_path)"
+    )
+    a.add_argument("--log-model", default=None, help="use only records of this model id")
+    a.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2)"
+    )
+    a.add_argument(
+        "--every", type=float, default=60.0, help="minutes between rounds (without --once)"
+    )
+    a.add_argument("--once", action="store_true", help="one round (if due), then exit")
+    a.add_argument(
+        "--min-new-turns", type=int, default=200, help="turns logged since the last round"
+    )
+    a.add_argument(
+        "--window-turns", type=int, default=20_000, help="train on the log's latest turns only"
+    )
+    a.add_argument(
+        "--fresh", action="store_true", help="start from the target, not the served head"
+    )
+    a.add_argument(
+        "--max-minutes", type=float, default=30.0, help="each round's training CPU minutes"
+    )
+    a.add_argument("--max-steps", type=int, default=None, help="each round's optimizer steps")
+    a.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    a.add_argument(
+        "--vocab-size", type=int, default=4096, help="head vocabulary (a fresh head only)"
+    )
+    a.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    a.add_argument("--seed", type=int, default=0)
+    _gate_options(a)
+    a.set_defaults(handler=run_adapt)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -203,36 +233,17 @@ def run_train_head(args: argparse.Namespace) -> int:
     model's fp32 prompt path, which computes a prefix a later turn resends only once."""
     import torch
 
-    from shared.model.llama import LlamaModel
     from shared.speculative.head_file import trained_head_path
-    from shared.speculative.head_train import HeadTrainConfig, train_head
 
     torch.set_num_threads(args.threads)
     try:
         path, checkpoint, tokenizer, turns = _target_and_log(args)
     except ValueError as exc:
         return fail(str(exc))
-    vocab = checkpoint.config.vocab_size
-    conversations = [
-        t.conversation for t in turns if max(t.prompt_token_ids + t.completion_token_ids) < vocab
-    ]
-    fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
-    out = args.out or trained_head_path(path)
-    config = HeadTrainConfig(
-        max_minutes=args.max_minutes,
-        vocab_size=args.vocab_size,
-        lr=args.lr or HeadTrainConfig().lr,
-        seed=args.seed,
-        precision=args.precision,
-        max_steps=args.max_steps,
-    )
-    stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
-    _stderr(f"[head] {len(conversations)} logged conversations from {args.from_log}")
+    _stderr(f"[head] {len(turns)} logged conversations from {args.from_log}")
+    train = _head_trainer(args, checkpoint, tokenizer)
     try:
-        serving = LlamaModel(checkpoint, weights="fp32")
-        report = train_head(
-            checkpoint, conversations, out, fingerprint, stop_ids, config, _stderr, serving
-        )
+        report = train([t.conversation for t in turns], None, args.out or trained_head_path(path))
     except (ValueError, OSError) as exc:
         return fail(str(exc))
     size_mb = report.path.stat().st_size / 1e6
@@ -245,39 +256,172 @@ def run_train_head(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_gate(args: argparse.Namespace) -> int:
-    try:
-        batches = tuple(int(b) for b in args.batches.split(","))
-    except ValueError:
-        return fail(f"--batches must be comma-separated sizes, got {args.batches!r}")
-    if not batches or min(batches) < 1 or args.max_prompts < 1 or args.max_tokens < 1:
-        return fail("--batches, --max-prompts and --max-tokens must be >= 1")
-    # None: the gate's own default, read from its module (imported late: it loads torch).
-    if args.min_gain is not None and not 0.0 <= args.min_gain < 1.0:
-        return fail(f"--min-gain must be in [0, 1), got {args.min_gain}")
+def _head_trainer(args: argparse.Namespace, checkpoint, tokenizer):
+    """(conversations, head to go on from or None, out path) -> HeadTrainReport, with the
+    serving fp32 model built once (a round of `draft adapt` reuses it)."""
+    from shared.model.llama import LlamaModel
+    from shared.speculative.head_train import HeadTrainConfig, train_head
 
-    import json
+    vocab = checkpoint.config.vocab_size
+    fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
+    config = HeadTrainConfig(
+        max_minutes=args.max_minutes,
+        vocab_size=args.vocab_size,
+        lr=args.lr or HeadTrainConfig().lr,
+        seed=args.seed,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        heldout_fraction=getattr(args, "heldout_fraction", HeadTrainConfig().heldout_fraction),
+    )
+    stop_ids = tokenizer.stop_token_ids if tokenizer else frozenset()
+    serving = LlamaModel(checkpoint, weights="fp32")
+
+    def train(conversations, init, out):
+        usable = [(ids, p) for ids, p in conversations if max(ids) < vocab]
+        return train_head(
+            checkpoint, usable, out, fingerprint, stop_ids, config, _stderr, serving, init=init
+        )
+
+    return train
+
+
+def run_adapt(args: argparse.Namespace) -> int:
+    batches = _check_gate_options(args)
+    if isinstance(batches, str):
+        return fail(batches)
+    if not args.max_minutes > 0:
+        return fail(f"--max-minutes must be > 0, got {args.max_minutes}")
+    if args.max_steps is not None and args.max_steps < 1:
+        return fail(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.lr is not None and not args.lr > 0:
+        return fail(f"--lr must be > 0, got {args.lr}")
+    if not 16 <= args.vocab_size <= 65536:
+        return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
+    if not args.every > 0:
+        return fail(f"--every must be > 0 minutes, got {args.every}")
+    if args.heldout_fraction >= 1.0:
+        return fail("--heldout-fraction must be < 1: adaptation needs chats to train on")
+    from services.bench.draft_adapt import AdaptPolicy
+
+    try:
+        policy = AdaptPolicy(args.min_new_turns, args.window_turns, args.fresh)
+    except ValueError as exc:
+        return fail(
+            str(exc)
+            .replace("min_new_turns", "--min-new-turns")
+            .replace("window_turns", "--window-turns")
+        )
+
+    import signal
+    import threading
+    from pathlib import Path
 
     import torch
 
-    from services.bench.draft_gate import DEFAULT_MIN_GAIN, gate, install
+    from services.bench.draft_adapt import due, history_path, read_history, run_round
+    from shared.speculative.draft_file import DraftLoadError
+    from shared.speculative.head_file import read_head
+    from shared.speculative.training_log import read_training_log
+
+    torch.set_num_threads(args.threads)
+    served = Path(args.served).expanduser()
+    try:
+        path, checkpoint, tokenizer, _ = _target_and_log(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    fingerprint = tokenizer.fingerprint if tokenizer else f"untokenized:{checkpoint.source}"
+    vocab = checkpoint.config.vocab_size
+    train = _head_trainer(args, checkpoint, tokenizer)
+    replay = _replay_gate(args, batches, path, checkpoint, tokenizer)
+
+    def read_served(where: Path):
+        if not where.is_file():
+            return None, f"{where} does not exist yet"
+        try:
+            return read_head(where, fingerprint, vocab), ""
+        except DraftLoadError as exc:
+            return None, str(exc)
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # Between rounds: a round in progress finishes (or is killed with the process; the
+        # served file is only ever replaced whole, so nothing half-written is left behind).
+        signal.signal(signum, lambda *_: stop.set())
+    while True:
+        try:
+            turns = read_training_log(args.from_log, args.log_model)
+            go, why = due(len(turns), read_history(history_path(served)), policy)
+            _stderr(f"[adapt] {'round' if go else 'no round'}: {why}")
+            if go:
+
+                def gate(candidate, current, turns=turns):
+                    return replay(candidate, current, turns)
+
+                record = run_round(
+                    [t.conversation for t in turns], served, train, gate, read_served, policy,
+                    _stderr,
+                )  # fmt: skip
+                verdict = "ACCEPTED" if record["accepted"] else "REFUSED"
+                print(
+                    f"{verdict}: {'; '.join(record['reasons'])} (held-out agreement "
+                    f"{record['initial_agreement']:.3f} -> {record['heldout_agreement']:.3f}, "
+                    f"{record['steps']} steps, {record['train_cpu_s'] / 60:.1f} CPU-min)",
+                    flush=True,
+                )
+        except (ValueError, OSError) as exc:
+            if args.once:
+                return fail(str(exc))
+            _stderr(f"[adapt] round failed, the served head is unchanged: {exc}")
+        if args.once or stop.wait(args.every * 60.0):
+            return 0
+
+
+def _gate_options(g) -> None:
+    """What `draft gate` and `draft adapt` replay, and how strictly they judge."""
+    g.add_argument("--weights", default="fp32", help="weight format the pool serves")
+    g.add_argument("--batches", default="1,8", help="production batch sizes, comma-separated")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=8, dest="k")
+    g.add_argument("--max-tokens", type=int, default=64, help="reply length replayed")
+    g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
+    g.add_argument("--heldout-fraction", type=float, default=0.1, help="as the trainer's")
+    g.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    g.add_argument(
+        "--min-gain",
+        type=float,
+        default=None,
+        help="the fraction by which the candidate's tokens/s must beat each rival's "
+        "(default: the gate's, 0.03: smaller edges are within a replay's noise)",
+    )
+
+
+def _check_gate_options(args: argparse.Namespace) -> tuple[int, ...] | str:
+    """The batch sizes, or what is wrong with the options."""
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        return f"--batches must be comma-separated sizes, got {args.batches!r}"
+    if not batches or min(batches) < 1 or args.max_prompts < 1 or args.max_tokens < 1:
+        return "--batches, --max-prompts and --max-tokens must be >= 1"
+    if args.threads < 1:
+        return f"--threads must be >= 1, got {args.threads}"
+    if not 0.0 < args.heldout_fraction <= 1.0:
+        return f"--heldout-fraction must be in (0, 1], got {args.heldout_fraction}"
+    # None: the gate's own default, read from its module (imported late: it loads torch).
+    if args.min_gain is not None and not 0.0 <= args.min_gain < 1.0:
+        return f"--min-gain must be in [0, 1), got {args.min_gain}"
+    return batches
+
+
+def _replay_gate(args: argparse.Namespace, batches: tuple[int, ...], path, checkpoint, tokenizer):
+    """(candidate, current, logged turns) -> the gate's verdict on the turns' held-out chats,
+    on weights loaded once. ValueError when there is no held-out chat to replay."""
+    from services.bench.draft_gate import DEFAULT_MIN_GAIN, gate
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
     from shared.model.llama import LlamaModel
     from shared.speculative.training_log import split_heldout
 
-    torch.set_num_threads(args.threads)
-    try:
-        path, checkpoint, tokenizer, turns = _target_and_log(args)
-        model = LlamaModel(checkpoint, weights=args.weights)
-    except ValueError as exc:
-        return fail(str(exc))
-    held_chats, _ = split_heldout([t.conversation for t in turns], args.heldout_fraction)
-    held = {tuple(ids[:prompt_len]) for chat in held_chats for ids, prompt_len in chat}
-    prompts = [t.prompt_token_ids for t in turns if tuple(t.prompt_token_ids) in held]
-    prompts = prompts[: args.max_prompts]
-    if not prompts:
-        return fail(f"{args.from_log}: no held-out conversations to replay")
+    model = LlamaModel(checkpoint, weights=args.weights)
     salt = None if tokenizer else f"untokenized:{checkpoint.source}".encode()
 
     def make_engine(draft: str | None) -> Engine:
@@ -292,21 +436,52 @@ def run_gate(args: argparse.Namespace) -> int:
         )
         return Engine(config, model=model, tokenizer=tokenizer, kv_salt=salt)
 
-    _stderr(f"[gate] replaying {len(prompts)} held-out prompts at batch sizes {batches}")
-    verdict = gate(
-        make_engine,
-        prompts,
-        args.candidate,
-        args.current,
-        batches,
-        args.max_tokens,
-        DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain,
-    )
+    def replay(candidate, current, turns):
+        held_chats, _ = split_heldout([t.conversation for t in turns], args.heldout_fraction)
+        held = {tuple(ids[:prompt_len]) for chat in held_chats for ids, prompt_len in chat}
+        prompts = [t.prompt_token_ids for t in turns if tuple(t.prompt_token_ids) in held]
+        prompts = prompts[: args.max_prompts]
+        if not prompts:
+            raise ValueError(f"{args.from_log}: no held-out conversations to replay")
+        _stderr(f"[gate] replaying {len(prompts)} held-out prompts at batch sizes {batches}")
+        min_gain = DEFAULT_MIN_GAIN if args.min_gain is None else args.min_gain
+        verdict = gate(
+            make_engine,
+            prompts,
+            str(candidate),
+            None if current is None else str(current),
+            batches,
+            args.max_tokens,
+            min_gain,
+        )
+        for name, run in verdict.as_json()["runs"].items():
+            _stderr(f"[gate] {name}: {run}")
+        return verdict
+
+    return replay
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    batches = _check_gate_options(args)
+    if isinstance(batches, str):
+        return fail(batches)
+
+    import json
+
+    import torch
+
+    from services.bench.draft_gate import install
+
+    torch.set_num_threads(args.threads)
+    try:
+        path, checkpoint, tokenizer, turns = _target_and_log(args)
+        replay = _replay_gate(args, batches, path, checkpoint, tokenizer)
+        verdict = replay(args.candidate, args.current, turns)
+    except ValueError as exc:
+        return fail(str(exc))
     report = verdict.as_json()
     if verdict.accepted and args.install:
         report["installed"] = str(install(args.candidate, args.install))
-    for name, run in report["runs"].items():
-        _stderr(f"[gate] {name}: {run}")
     print(("ACCEPTED: " if verdict.accepted else "REFUSED: ") + "; ".join(verdict.reasons))
     if args.json:
         with open(args.json, "w") as f:

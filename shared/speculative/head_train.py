@@ -37,7 +37,7 @@ from shared.model.llama import LlamaModel
 from shared.speculative.draft_data import TeacherSample, build_vocab, target_to_draft_map
 from shared.speculative.draft_model import model_from_checkpoint
 from shared.speculative.draft_train import clock_line, lr_factor
-from shared.speculative.head_file import save_head
+from shared.speculative.head_file import HeadFile, save_head
 from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
 from shared.speculative.training_log import Conversation, split_heldout
 
@@ -264,9 +264,13 @@ def train_head(
     config: HeadTrainConfig = HeadTrainConfig(),
     log: Callable[[str], None] = print,
     serving: LlamaModel | None = None,
+    init: HeadFile | None = None,
 ) -> HeadTrainReport:
     """`serving`: the model as it serves (its format and kernels) computes the states the
-    head learns from; without it, a dense fp32 copy of the checkpoint's layers does."""
+    head learns from; without it, a dense fp32 copy of the checkpoint's layers does.
+    `init`: a head to go on training (its weights and vocabulary) instead of starting from
+    the target's last layer: each round of online adaptation adds its budget's steps to what
+    the rounds before learned, which one CPU budget alone could not buy."""
     torch.manual_seed(config.seed)
     start, wall_start = time.process_time(), time.monotonic()
     budget = config.max_minutes * 60.0
@@ -293,10 +297,16 @@ def train_head(
     if not train:
         raise ValueError("the budget allowed no training conversations; raise --max-minutes")
     tc = checkpoint.config
-    vocab_ids = build_vocab([s.teacher for s in train], config.vocab_size, sorted(stop_ids))
+    if init is not None:
+        vocab_ids = init.vocab_ids
+        if init.config != head_config(tc, len(vocab_ids)):
+            raise ValueError("the head to go on training was made for another target's shapes")
+        head = init.build_head().requires_grad_(True).train()
+    else:
+        vocab_ids = build_vocab([s.teacher for s in train], config.vocab_size, sorted(stop_ids))
+        head = DraftHead(head_config(tc, len(vocab_ids)))
+        init_head_from_checkpoint(head, checkpoint.tensors)
     to_head = target_to_draft_map(vocab_ids, tc.vocab_size)
-    head = DraftHead(head_config(tc, len(vocab_ids)))
-    init_head_from_checkpoint(head, checkpoint.tensors)
     t = checkpoint.tensors
     head.attach_target(t["embed_tokens"], t.get("lm_head", t["embed_tokens"])[vocab_ids])
     train_tokens = sum(len(s.teacher.token_ids) - s.reply_from for s in train)
@@ -366,11 +376,14 @@ def train_head(
             "step_seconds": timings,
         },
     )
+    earlier_steps = int(init.stats.get("total_steps", init.stats.get("steps", 0))) if init else 0
     stats = {
         "precision": precision,
         "heldout_agreement": agreement,
         "initial_agreement": initial,
         "steps": step,
+        "total_steps": earlier_steps + step,  # over every round that led to this head
+        "continued_from": init.version if init else None,
         "train_tokens": train_tokens,
         "heldout_tokens": held_tokens,
         "cpu_seconds": round(elapsed, 1),

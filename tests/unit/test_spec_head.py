@@ -125,6 +125,33 @@ def test_training_runs_end_to_end_and_learns(head_file):
     }  # the target's embedding and output rows are shared, not stored
 
 
+def test_training_goes_on_from_a_head_and_keeps_its_vocabulary(plain, head_file, tmp_path):
+    """Online adaptation's warm start: the new run starts where the head left off (its held-out
+    agreement, not a fresh layer's), keeps its vocabulary and counts every round's steps."""
+    prompts, expected = plain
+    conversations = [(p + r, len(p)) for p, r in zip(prompts, expected, strict=True)]
+    before = read_head(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size)
+    config = HeadTrainConfig(max_minutes=2, max_steps=5, vocab_size=256, window=64, lr=1e-3)
+    kwargs = {"config": config, "log": lambda _: None}
+    fresh = train_head(
+        tiny_checkpoint(seed=0), conversations, tmp_path / "fresh.pt", FINGERPRINT, **kwargs
+    )
+    went_on = train_head(
+        tiny_checkpoint(seed=0),
+        conversations,
+        tmp_path / "on.pt",
+        FINGERPRINT,
+        init=before,
+        **kwargs,
+    )
+    assert went_on.initial_agreement > fresh.initial_agreement + 0.2
+    after = read_head(went_on.path, FINGERPRINT, TINY_CONFIG.vocab_size)
+    assert torch.equal(after.vocab_ids, before.vocab_ids)
+    assert after.stats["total_steps"] == 155 and after.stats["continued_from"] == before.version
+    other = read_head(fresh.path, FINGERPRINT, TINY_CONFIG.vocab_size)
+    assert other.stats["continued_from"] is None and other.stats["total_steps"] == 5
+
+
 def _head_drafting(tiny_model, head_file, tree_width: int) -> HeadDraftProposer:
     head = _head(tiny_model, head_file)
     head.tree_width = tree_width
