@@ -2,7 +2,9 @@
 
 The held-out slice of the training log (training_log.split_heldout: the chats the
 trainer never saw) is replayed greedy at each production batch size with no draft, with the
-draft in service (if any) and with the candidate, on the same loaded weights, the three
+draft in service (if any) and with the candidate, on the same loaded weights and drafting as
+the pool does (the CLI's --method: adaptive, which prices each step's drafts, by default;
+a head that pays alone at batch 1 can lose at batch 8 when it always drafts), the three
 taking turns prompt by prompt (batch 8: twice over the batch, in alternating order). The candidate
 is accepted only if its greedy output equals plain decoding's at every batch size (a draft
 can never change it through exact verification, so a difference means a bug somewhere and

@@ -381,6 +381,14 @@ def _gate_options(g) -> None:
     g.add_argument("--weights", default="fp32", help="weight format the pool serves")
     g.add_argument("--batches", default="1,8", help="production batch sizes, comma-separated")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=8, dest="k")
+    g.add_argument(
+        "--method",
+        default="adaptive",
+        choices=("adaptive", "draft"),
+        help="how the pool drafts with it (speculative.method): adaptive prices each step's "
+        "drafts from measured step costs and takes n-gram guesses too; draft always drafts "
+        "with the head alone",
+    )
     g.add_argument("--max-tokens", type=int, default=64, help="reply length replayed")
     g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
     g.add_argument("--heldout-fraction", type=float, default=0.1, help="as the trainer's")
@@ -430,7 +438,7 @@ def _replay_gate(args: argparse.Namespace, batches: tuple[int, ...], path, check
             weights=args.weights,
             kv_cache_bytes=256 << 20,
             num_threads=args.threads,
-            speculative_method="draft" if draft else "none",
+            speculative_method=args.method if draft else "none",
             num_speculative_tokens=args.k,
             draft_path=draft,
         )
