@@ -153,17 +153,24 @@ def add_command(sub) -> None:
     a.set_defaults(handler=run_adapt)
 
 
-def run_train(args: argparse.Namespace) -> int:
+def _check_train_options(args: argparse.Namespace) -> str | None:
+    """What is wrong with the training options `draft train` and `draft adapt` share."""
     if not args.max_minutes > 0:
-        return fail(f"--max-minutes must be > 0, got {args.max_minutes}")
+        return f"--max-minutes must be > 0, got {args.max_minutes}"
     if args.threads < 1:
-        return fail(f"--threads must be >= 1, got {args.threads}")
+        return f"--threads must be >= 1, got {args.threads}"
     if not 16 <= args.vocab_size <= 65536:
-        return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
+        return f"--vocab-size must be in 16..65536, got {args.vocab_size}"
     if args.lr is not None and not args.lr > 0:
-        return fail(f"--lr must be > 0, got {args.lr}")
+        return f"--lr must be > 0, got {args.lr}"
     if args.max_steps is not None and args.max_steps < 1:
-        return fail(f"--max-steps must be >= 1, got {args.max_steps}")
+        return f"--max-steps must be >= 1, got {args.max_steps}"
+    return None
+
+
+def run_train(args: argparse.Namespace) -> int:
+    if problem := _check_train_options(args):
+        return fail(problem)
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     layers = None
@@ -289,14 +296,8 @@ def run_adapt(args: argparse.Namespace) -> int:
     batches = _check_gate_options(args)
     if isinstance(batches, str):
         return fail(batches)
-    if not args.max_minutes > 0:
-        return fail(f"--max-minutes must be > 0, got {args.max_minutes}")
-    if args.max_steps is not None and args.max_steps < 1:
-        return fail(f"--max-steps must be >= 1, got {args.max_steps}")
-    if args.lr is not None and not args.lr > 0:
-        return fail(f"--lr must be > 0, got {args.lr}")
-    if not 16 <= args.vocab_size <= 65536:
-        return fail(f"--vocab-size must be in 16..65536, got {args.vocab_size}")
+    if problem := _check_train_options(args):
+        return fail(problem)
     if not args.every > 0:
         return fail(f"--every must be > 0 minutes, got {args.every}")
     if args.heldout_fraction >= 1.0:
