@@ -96,17 +96,20 @@ def test_a_hopeless_bf16_is_timed_once(conversations, monkeypatch):
     head, samples, to_head = _untrained(conversations, config)
     calls = {"fp32": 0, "bf16": 0}
     loss = head_train._loss
+    # A step's time read off a clock the steps advance: 0.1 s in fp32, 10 s in bf16, so the
+    # verdict does not depend on how loaded this machine is.
+    clock = [0.0]
 
     def slow_bf16(*args):
         kind = "bf16" if torch.is_autocast_enabled("cpu") else "fp32"
         calls[kind] += 1
-        if kind == "bf16":
-            time.sleep(1.0)
+        clock[0] += 10.0 if kind == "bf16" else 0.1
         return loss(*args)
 
     monkeypatch.setattr(head_train, "_loss", slow_bf16)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     chosen, timings = choose_precision(head, samples, to_head, config, random.Random(0))
-    assert chosen == "fp32" and timings["bf16"] >= 1.0
+    assert chosen == "fp32" and timings == {"fp32": 0.1, "bf16": 10.0}
     assert calls == {"fp32": 3, "bf16": 1}
 
 
