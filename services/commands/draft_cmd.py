@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from services.commands.common import fail
+from services.commands.common import WEIGHT_FORMATS, fail
 
 
 def add_command(sub) -> None:
@@ -379,7 +379,13 @@ def run_adapt(args: argparse.Namespace) -> int:
 
 def _gate_options(g) -> None:
     """What `draft gate` and `draft adapt` replay, and how strictly they judge."""
-    g.add_argument("--weights", default="fp32", help="weight format the pool serves")
+    g.add_argument(
+        "--weights",
+        default="fp32",
+        choices=WEIGHT_FORMATS,
+        help="weight format the pool serves (auto: time the eligible formats here and serve "
+        "the fastest, as a pool does at load)",
+    )
     g.add_argument("--batches", default="1,8", help="production batch sizes, comma-separated")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=8, dest="k")
     g.add_argument(
@@ -389,6 +395,18 @@ def _gate_options(g) -> None:
         help="how the pool drafts with it (speculative.method): adaptive prices each step's "
         "drafts from measured step costs and takes n-gram guesses too; draft always drafts "
         "with the head alone",
+    )
+    g.add_argument(
+        "--tree-width",
+        type=int,
+        default=None,
+        help="the pool's speculative.draft_tree_width (default: the engine's)",
+    )
+    g.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        help="the pool's speculative.draft_min_confidence (default: the engine's)",
     )
     g.add_argument("--max-tokens", type=int, default=64, help="reply length replayed")
     g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
@@ -413,6 +431,12 @@ def _check_gate_options(args: argparse.Namespace) -> tuple[int, ...] | str:
         return "--batches, --max-prompts and --max-tokens must be >= 1"
     if args.threads < 1:
         return f"--threads must be >= 1, got {args.threads}"
+    if not 1 <= args.k <= 16:
+        return f"--num-speculative-tokens must be in 1..16, got {args.k}"
+    if args.tree_width is not None and not 1 <= args.tree_width <= 4:
+        return f"--tree-width must be in 1..4, got {args.tree_width}"
+    if args.min_confidence is not None and not 0.0 <= args.min_confidence <= 1.0:
+        return f"--min-confidence must be in [0, 1], got {args.min_confidence}"
     if not 0.0 < args.heldout_fraction <= 1.0:
         return f"--heldout-fraction must be in (0, 1], got {args.heldout_fraction}"
     # None: the gate's own default, read from its module (imported late: it loads torch).
@@ -430,11 +454,27 @@ def _replay_gate(args: argparse.Namespace, batches: tuple[int, ...], path, check
     from shared.model.llama import LlamaModel
     from shared.speculative.training_log import split_heldout
 
-    model = LlamaModel(checkpoint, weights=args.weights)
+    if args.weights == "auto":
+        from shared.engine.model_setup import load_serving_model
+
+        model, _ = load_serving_model(path, "auto", threads=args.threads)
+    else:
+        model = LlamaModel(checkpoint, weights=args.weights)
     salt = None if tokenizer else f"untokenized:{checkpoint.source}".encode()
+
+    # The pool's tree and cutoff where given: a head's speed depends on both.
+    pool = {
+        name: value
+        for name, value in (
+            ("draft_tree_width", args.tree_width),
+            ("draft_min_confidence", args.min_confidence),
+        )
+        if value is not None
+    }
 
     def make_engine(draft: str | None) -> Engine:
         config = EngineConfig(
+            **pool,
             model=path,
             weights=args.weights,
             kv_cache_bytes=256 << 20,

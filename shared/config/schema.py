@@ -211,10 +211,27 @@ class TrainingLogConfig(_Strict):
     (shared/speculative/training_log.py). Off by default: see README, consent and retention."""
 
     enabled: bool = Field(False, description="log finished requests' token ids (opt-in)")
-    path: str = Field("splitserve-training-log.jsonl", description="JSON-lines file, appended")
+    path: str = Field(
+        "splitserve-training-log.jsonl",
+        description="JSON-lines file, appended; {host} becomes the host name (a file per "
+        "coordinator on a shared volume)",
+    )
     sample_ratio: float = Field(
         1.0, ge=0.0, le=1.0, description="fraction of finished requests logged"
     )
+
+    @field_validator("path")
+    @classmethod
+    def _one_placeholder(cls, v: str) -> str:
+        # Any other brace would be written literally into a file name: a typo of {host}.
+        rest = v.replace("{host}", "")
+        if "{" in rest or "}" in rest:
+            raise ValueError(
+                f"the only placeholder a training-log path may hold is {{host}}: {v!r}"
+            )
+        if not v.strip():
+            raise ValueError("training-log path is empty")
+        return v
 
 
 class CaptureConfig(_Strict):

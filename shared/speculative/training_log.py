@@ -1,7 +1,10 @@
 """The training log: finished requests as token ids, for training a draft on real traffic.
 
 Written by the coordinator when the operator turns `capture.training_log` on (it is off by
-default); read by `splitserve draft train --from-log`. One JSON line per finished choice:
+default); read by `splitserve draft train --from-log`. A fleet's coordinators each append to
+their own file (`{host}` in the configured path becomes the host name, a Kubernetes pod's
+name), since appends from several machines to one file on a shared volume may interleave; a
+reader given the folder merges every file in it by record time. One JSON line per finished choice:
 {"v": 1, "time": unix seconds, "model": id, "tier": service tier, "prompt_token_ids": [...],
 "completion_token_ids": [...]}. Token ids only: no text, no key, no user, no request id, so
 the log says nothing a tokenizer-less reader could join with anything else; the ids still
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 import zlib
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_VERSION = 1
+# The one placeholder a configured log path may hold: each process's own file.
+HOST_PLACEHOLDER = "{host}"
 Conversation = tuple[list[int], int]  # (prompt + completion ids, prompt length)
 
 
@@ -35,6 +41,7 @@ class LoggedTurn:
     tier: str
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
+    logged_at: float = 0.0  # unix seconds (the record's "time"; 0 where written by hand)
 
     @property
     def conversation(self) -> Conversation:
@@ -48,7 +55,7 @@ class TrainingLogWriter:
     def __init__(self, path: str | Path, sample_ratio: float, rng: random.Random | None = None):
         if not 0.0 <= sample_ratio <= 1.0:
             raise ValueError(f"sample_ratio must be in [0, 1], got {sample_ratio}")
-        self.path = Path(path).expanduser()
+        self.path = log_file_path(path)
         self.sample_ratio = sample_ratio
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
@@ -85,13 +92,38 @@ class TrainingLogWriter:
             self.written += lines.count("\n")
 
 
+def log_file_path(path: str | Path, host: str | None = None) -> Path:
+    """The file this process appends to: `path` with `{host}` replaced by the host name."""
+    text = str(path)
+    if HOST_PLACEHOLDER in text:
+        text = text.replace(HOST_PLACEHOLDER, host or socket.gethostname())
+    return Path(text).expanduser()
+
+
 def read_training_log(path: str | Path, model: str | None = None) -> list[LoggedTurn]:
-    """Every record of the log (of `model` only, when given)."""
+    """Every record of the log (of `model` only, when given). `path` is one file, or a folder
+    whose `*.jsonl` files (one per coordinator) are merged, oldest record first."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise TrainingLogError(f"{path}: no training log (*.jsonl) in this folder")
+        turns = [t for f in files for t in _read_file(f, model)]
+        turns.sort(key=lambda t: t.logged_at)  # stable: one file's equal times keep their order
+        return turns
     if not path.is_file():
         raise TrainingLogError(f"{path}: training log does not exist")
+    return _read_file(path, model)
+
+
+def _read_file(path: Path, model: str | None) -> list[LoggedTurn]:
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    # The text after the last newline is a record still being appended (a coordinator writes
+    # while rounds of `draft adapt` read) or one its writer was killed in: not a record yet.
+    complete = lines[:-1]
     turns = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(complete, start=1):
         if not line.strip():
             continue
         try:
@@ -101,8 +133,9 @@ def read_training_log(path: str | Path, model: str | None = None) -> list[Logged
                 tier=str(row["tier"]),
                 prompt_token_ids=[int(t) for t in row["prompt_token_ids"]],
                 completion_token_ids=[int(t) for t in row["completion_token_ids"]],
+                logged_at=float(row.get("time", 0.0)),
             )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TrainingLogError(f"{path}:{number}: not a training-log record ({exc})") from None
         if row.get("v") != LOG_VERSION:
             raise TrainingLogError(f"{path}:{number}: log version {row.get('v')!r} unknown")

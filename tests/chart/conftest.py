@@ -28,6 +28,7 @@ VALUE_SETS = (
     "tls-secret",
     "tls-cert-manager",
     "tls-cert-manager-issuer",
+    "draft-training",
 )
 
 

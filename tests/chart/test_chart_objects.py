@@ -23,6 +23,10 @@ def pod_specs(rendered) -> list[tuple[str, dict]]:
         for d in rendered.of_kind("Deployment")
     ]
     specs += [(d["metadata"]["name"], d["spec"]) for d in rendered.of_kind("Pod")]
+    specs += [
+        (d["metadata"]["name"], d["spec"]["jobTemplate"]["spec"]["template"]["spec"])
+        for d in rendered.of_kind("CronJob")
+    ]
     return specs
 
 

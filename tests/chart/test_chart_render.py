@@ -54,6 +54,8 @@ def test_every_values_set_renders_the_expected_objects():
     assert {
         "Ingress", "HorizontalPodAutoscaler", "NetworkPolicy", "ServiceMonitor"
     } <= kinds["everything"]  # fmt: skip
+    assert "CronJob" in kinds["draft-training"]
+    assert not any("CronJob" in k for s, k in kinds.items() if s != "draft-training")
 
 
 # Each invalid values file and what the error must name.
@@ -77,6 +79,12 @@ INVALID = {
     "tls-without-certificates": "internalAuth.tls.enabled: TLS without certificates. Name a "
     "Secret holding ca.crt, tls.crt and tls.key in internalAuth.tls.existingSecret",
     "tls-health-port-clash": "internalAuth.tls.healthPort (50061) must differ from workers.grpc",
+    "training-log-without-volume": "draftTraining.log.enabled needs draftTraining.log.volume",
+    "adaptation-without-drafts-volume": "draftTraining.adaptation.enabled needs "
+    "draftTraining.drafts.volume",
+    "adaptation-without-a-head": "no model drafts with a head (set models[].speculative.method",
+    "adaptation-batches": "/draftTraining/adaptation/batches",
+    "speculative-method": "/models/0/speculative/method",
 }
 
 

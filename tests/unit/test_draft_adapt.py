@@ -105,12 +105,14 @@ def test_adapt_cli_rounds_train_gate_and_go_on_from_the_served_head(tmp_path, ca
     )
     prompts = motif_prompts(12, seed=7)
     replies = engine.generate(prompts, GREEDY)
-    log = TrainingLogWriter(tmp_path / "traffic.jsonl", 1.0)
+    # Two coordinators' files in one folder, as the chart mounts it: the folder is the log.
+    logs = tmp_path / "training-log"
+    log = TrainingLogWriter(logs / "coordinator-a.jsonl", 1.0)
     log.write(
         [LoggedTurn("tiny", "default", p, r) for p, r in zip(prompts[:8], replies[:8], strict=True)]
     )
     served = tmp_path / "pool" / "tiny.head.pt"
-    argv = ["--model", str(folder), "--from-log", str(log.path), "--served", str(served)]
+    argv = ["--model", str(folder), "--from-log", str(logs), "--served", str(served)]
     argv += ["--once", "--min-new-turns", "4", "--max-steps", "8", "--vocab-size", "256"]
     argv += ["--heldout-fraction", "0.3", "--threads", "1", "--batches", "1,2"]
     argv += ["--max-tokens", "8", "--precision", "fp32"]
@@ -126,7 +128,7 @@ def test_adapt_cli_rounds_train_gate_and_go_on_from_the_served_head(tmp_path, ca
     assert _cli(argv) == 0  # no new traffic: no round
     assert len(read_history(history_path(served))) == 1
 
-    log.write(
+    TrainingLogWriter(logs / "coordinator-b.jsonl", 1.0).write(
         [LoggedTurn("tiny", "default", p, r) for p, r in zip(prompts[8:], replies[8:], strict=True)]
     )
     assert _cli(argv) == 0
@@ -148,6 +150,9 @@ def test_adapt_cli_rounds_train_gate_and_go_on_from_the_served_head(tmp_path, ca
         (["--heldout-fraction", "1.0"], "--heldout-fraction must be < 1"),
         (["--batches", "1,x"], "--batches must be comma-separated"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
+        (["--tree-width", "5"], "--tree-width must be in 1..4, got 5"),
+        (["--min-confidence", "1.5"], "--min-confidence must be in [0, 1], got 1.5"),
+        (["-k", "0"], "--num-speculative-tokens must be in 1..16, got 0"),
     ],
 )
 def test_adapt_cli_refuses_bad_options(tmp_path, capsys, extra, message):

@@ -16,6 +16,7 @@ from shared.speculative.training_log import (
     LoggedTurn,
     TrainingLogError,
     TrainingLogWriter,
+    log_file_path,
     read_training_log,
 )
 from tests.unit.coordinator_client import run_with_client
@@ -99,3 +100,44 @@ def test_bad_config_and_bad_log_are_refused(tmp_path):
     bad.write_text('{"v": 1, "model": "m"}\n')
     with pytest.raises(TrainingLogError, match="bad.jsonl:1"):
         read_training_log(bad)
+    with pytest.raises(ValueError, match="only placeholder"):
+        TrainingLogConfig(enabled=True, path="/logs/{hostname}.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TrainingLogError, match="no training log"):
+        read_training_log(tmp_path / "empty")
+
+
+def test_each_host_writes_its_own_file_and_a_folder_is_read_in_record_time(tmp_path, monkeypatch):
+    """A fleet's coordinators share a volume: `{host}` gives each its own file, and the reader
+    merges the folder's files oldest first, whichever file a record is in."""
+    pattern = str(tmp_path / "{host}.jsonl")
+    assert log_file_path(pattern, "coordinator-7f9c") == tmp_path / "coordinator-7f9c.jsonl"
+    clock = iter(range(100, 200))
+    monkeypatch.setattr("shared.speculative.training_log.time.time", lambda: next(clock))
+    writers = {}
+    for host in ("pod-a", "pod-b"):
+        monkeypatch.setattr("shared.speculative.training_log.socket.gethostname", lambda h=host: h)
+        writers[host] = TrainingLogWriter(pattern, 1.0)
+        assert writers[host].path == tmp_path / f"{host}.jsonl"
+    # Interleaved in time across the two files.
+    for i, host in enumerate(["pod-b", "pod-a", "pod-a", "pod-b"]):
+        writers[host].write([LoggedTurn(MODEL, "default", [1, i], [2, i])])
+    (tmp_path / "notes.txt").write_text("not a log")  # only *.jsonl files are read
+    turns = read_training_log(tmp_path)
+    assert [t.prompt_token_ids for t in turns] == [[1, 0], [1, 1], [1, 2], [1, 3]]
+    assert [t.logged_at for t in turns] == [100, 101, 102, 103]
+    assert [t.prompt_token_ids for t in read_training_log(tmp_path / "pod-a.jsonl")] == [
+        [1, 1],
+        [1, 2],
+    ]
+
+
+def test_a_record_still_being_appended_is_not_read_yet(tmp_path):
+    log = tmp_path / "log.jsonl"
+    TrainingLogWriter(log, 1.0).write([LoggedTurn(MODEL, "default", [1], [2])])
+    with log.open("a") as f:
+        f.write('{"v": 1, "time": 5, "model": "m", "tier": "default", "prompt_tok')
+    assert [t.prompt_token_ids for t in read_training_log(log)] == [[1]]
+    with log.open("a") as f:  # the writer finishes its line: now it is a record
+        f.write('en_ids": [7], "completion_token_ids": [8]}\n')
+    assert [t.prompt_token_ids for t in read_training_log(log)] == [[1], [7]]

@@ -21,6 +21,11 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
 {{- with $m.max_model_len }}{{ $_ := set $entry "max_model_len" (int .) }}{{ end -}}
 {{- $_ := set $entry "pools" (include "splitserve.configPools" (dict "root" $root "id" $m.id) | fromYaml) -}}
 {{- with $m.worker }}{{ $_ := set $entry "worker" . }}{{ end -}}
+{{- $spec := deepCopy ($m.speculative | default dict) -}}
+{{- if and (include "splitserve.draftsOnVolume" $root) (has ($spec.method | default "") (list "draft" "adaptive")) (not $spec.draft_path) -}}
+{{- $_ := set $spec "draft_path" (include "splitserve.servedDraftPath" (dict "root" $root "id" $m.id)) -}}
+{{- end -}}
+{{- with $spec }}{{ $_ := set $entry "speculative" . }}{{ end -}}
 {{- $models = append $models $entry -}}
 {{- end -}}
 {{- range $id, $_ := .Values.pools -}}
@@ -80,6 +85,28 @@ two tails of 2 s (DRAIN_TAIL_S in services/worker_server/server.py), then it exi
 ) -}}
 {{- end -}}
 {{- with $internal }}{{ $_ := set $config "internal_auth" . }}{{ end -}}
+{{- $dt := .Values.draftTraining -}}
+{{- if $dt.log.enabled -}}
+{{- if not $dt.log.volume -}}
+{{- fail "draftTraining.log.enabled needs draftTraining.log.volume: a log on the coordinator pod's own disk is lost with the pod (and no adaptation job could read it)" -}}
+{{- end -}}
+{{- $_ := set $config "capture" (dict "training_log" (dict
+  "enabled" true
+  "path" (printf "%s/{host}.jsonl" $dt.log.mountPath)
+  "sample_ratio" $dt.log.sampleRatio
+)) -}}
+{{- end -}}
+{{- if $dt.adaptation.enabled -}}
+{{- if not $dt.log.enabled -}}
+{{- fail "draftTraining.adaptation.enabled needs draftTraining.log.enabled: adaptation trains on the training log" -}}
+{{- end -}}
+{{- if not $dt.drafts.volume -}}
+{{- fail "draftTraining.adaptation.enabled needs draftTraining.drafts.volume: the heads it trains must reach the decode pods" -}}
+{{- end -}}
+{{- if not (include "splitserve.adaptedModels" . | fromJsonArray) -}}
+{{- fail "draftTraining.adaptation.enabled: no model drafts with a head (set models[].speculative.method to draft or adaptive)" -}}
+{{- end -}}
+{{- end -}}
 {{- range $key := list "telemetry" "router" "tiers" "prices" "routers" "playground" -}}
 {{- with get $root.Values.config $key }}{{ $_ := set $config $key . }}{{ end -}}
 {{- end -}}

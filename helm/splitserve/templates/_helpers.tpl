@@ -193,3 +193,27 @@ imagePullSecrets:
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- end -}}
+
+{{/* "true" when trained draft heads come from the drafts volume, empty otherwise. */}}
+{{- define "splitserve.draftsOnVolume" -}}
+{{- if .Values.draftTraining.drafts.volume }}true{{ end -}}
+{{- end -}}
+
+{{/* The head file a model's decode pods watch and its adaptation job replaces; call with
+(dict "root" $ "id" ID). */}}
+{{- define "splitserve.servedDraftPath" -}}
+{{- printf "%s/%s.head.pt" .root.Values.draftTraining.drafts.mountPath (include "splitserve.modelSlug" .id) -}}
+{{- end -}}
+
+{{/* The ids of the models whose decode pods draft with a head from the drafts volume (method
+draft or adaptive, no draft_path of their own), as a JSON list. */}}
+{{- define "splitserve.adaptedModels" -}}
+{{- $ids := list -}}
+{{- range $m := .Values.models -}}
+{{- $spec := $m.speculative | default dict -}}
+{{- if and (has ($spec.method | default "") (list "draft" "adaptive")) (not $spec.draft_path) -}}
+{{- $ids = append $ids $m.id -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $ids -}}
+{{- end -}}
