@@ -55,6 +55,10 @@ class BenchHead:
             "steps": r.steps,
             "heldout_first_guess_agreement": round(r.heldout_agreement, 4),
             "initial_first_guess_agreement": round(r.initial_agreement, 4),
+            # What this machine trained in, and the step times that chose it (machines
+            # differ: bf16 wins where the CPU has bf16 arithmetic, loses badly where not).
+            "precision": r.extra.get("precision"),
+            "step_seconds": r.extra.get("step_seconds"),
         }
 
 
