@@ -56,8 +56,15 @@ NUM_SPECULATIVE_TOKENS = 4
 # seldom kept. Re-measured on an AVX2 EPYC with the fp32 route (a 2-row verify step there costs
 # no more than a plain one): a cutoff priced per guess from the measured step costs gave
 # 1.09x (b1) and 0.62x (b8) against 1.14x and 0.88x with 0.3: the head's own top
-# probabilities are too rough an acceptance estimate to price a row with, so 0.3 stays.
-DRAFT_MIN_CONFIDENCE = 0.3
+# probabilities are too rough an acceptance estimate to price a row with, so 0.3 stayed.
+# Re-measured on an AVX-512 (bf16) EPYC, where a verify row costs more: 1 query row 28 ms, 2
+# rows 37, 5 rows 44, 8 rows 55 (calibrate.measure_step_costs, fp32, 2 threads). With the
+# bench's 30-CPU-minute head (k=8, chains), two runs each (a sweep and `bench spec`), 0.5
+# against 0.3: head alone chat b1 1.20/1.29x vs 1.20/1.30x, chat b8 1.07/0.90x vs 0.93/0.81x,
+# grounded b1 0.96/1.06x vs 0.85/0.87x; adaptive chat b1 2.26/2.28x vs 2.07/2.10x, chat b8
+# 1.50/1.32x vs 1.35/1.18x, grounded b1 1.72/1.77x vs 1.70/1.65x (grounded b8 split: 1.01/1.00x
+# vs 0.88/1.28x). 0.15 lost to both.
+DRAFT_MIN_CONFIDENCE = 0.5
 # A draft head drafts a tree for greedy rows when this is above 1: at each depth its
 # `width` likeliest nodes are extended by their `width` likeliest next tokens
 # (shared/speculative/tree.py). 1 drafts chains. Measured with `splitserve bench spec`

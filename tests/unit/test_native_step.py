@@ -607,6 +607,9 @@ def test_the_other_builds_attend_alike_on_the_real_model(
         got, want = _real_model_step(real_model, native, [1, *range(300, 299 + context)], kv_dtype)
     finally:
         torch.set_num_threads(threads)
-    # Summation order alone: 30 layers of fp32 rounding, logits of magnitude ~25.
-    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    # Summation order alone: 30 layers of fp32 rounding, logits of magnitude ~25. The builds
+    # sum the linears in another order than the BLAS too: the AVX2 build with an fp16 pool over
+    # three splits was 2.0e-4 of the largest logit off on an AVX-512 EPYC (MKL's AVX-512
+    # kernels), within 1e-4 on AVX2 machines; the bug this guards against gave garbage.
+    assert (got - want).abs().max().item() <= 5e-4 * want.abs().max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -349,6 +349,9 @@ def test_cli_trains_a_head_from_a_training_log_and_the_engine_serves_it(
             speculative_method="draft",
             num_speculative_tokens=4,
             draft_path=str(out),
+            # Every guess drafted: 80 steps leave the tiny head too unsure of its guesses for
+            # the default cutoff, and this test is about serving the trained file at all.
+            draft_min_confidence=0.0,
         ),
         model=tiny_model,
         kv_salt=fingerprint.encode(),
