@@ -127,13 +127,22 @@ def _time_limit():
 
 
 @pytest.fixture
-def leftover_children():
-    """Children started during this test that are still running (other tests' long-lived
-    helpers, such as multiprocessing's resource tracker, are not this test's business)."""
+def leftover_children(tmp_path):
+    """This test's children (programs under its tmp_path) that are still running. Other
+    processes of the test worker are not this test's business: multiprocessing's resource
+    tracker, or a `python3` helper some library started meanwhile (one started mid-test under
+    CI load once failed this check, though every child of the stack had gone)."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
 
+    def ours(process: psutil.Process) -> bool:
+        try:
+            return any(str(tmp_path) in arg for arg in process.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            return False  # gone (or exiting) meanwhile: not left over
+
     def still_running() -> list[psutil.Process]:
-        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        now = psutil.Process().children(recursive=True)
+        return [p for p in now if p.pid not in before and ours(p)]
 
     return still_running
 
