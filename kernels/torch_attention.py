@@ -32,6 +32,13 @@ class _BatchedGroup:
     ctx_max: int
     all_keys_visible: bool  # decode rows of equal context: no masking needed at all
     in_order: bool  # one token per row, rows are flat tokens 0..B-1
+    # Every row brings q_max tokens and row b's are flat tokens b * q_max ..: a verify step's
+    # rows. Queries and outputs are then views of the step's tensors, not gathers and
+    # scatters (on a 9-row verify of SmolLM2 the index ops were 6 ms of a 57 ms step).
+    dense: bool = False
+    # The mask as SDPA takes it, [B, 1, q_max * group, ctx_max] (dense groups): built once
+    # per step, not per layer.
+    sdpa_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,10 +92,17 @@ class TorchPagedAttention(AttentionKernel):
         singles = [i for i, q in enumerate(meta.query_lens) if q > BATCHED_MAX_QUERY]
         # Every sequence brings exactly one token and all share one bucket: the flat tokens
         # are the batch rows in order, so the gather/scatter of queries can be skipped.
-        buckets = _context_buckets(batched, meta.context_lens)
+        # Within a bucket, rows in flat order: a lone bucket of equal query lengths is dense.
+        buckets = [sorted(b) for b in _context_buckets(batched, meta.context_lens)]
         groups = [_batched_group(b, meta, starts) for b in buckets]
         decode_only = len(groups) == 1 and not singles and groups[0].in_order
-        state: dict = {"groups": groups, "singles": [], "decode_only": decode_only}
+        dense = len(groups) == 1 and not singles and groups[0].dense and not decode_only
+        state: dict = {
+            "groups": groups,
+            "singles": [],
+            "decode_only": decode_only,
+            "dense": dense,
+        }
         dev = meta.device
         for i in singles:
             q_len, ctx = meta.query_lens[i], meta.context_lens[i]
@@ -118,6 +132,9 @@ class TorchPagedAttention(AttentionKernel):
         if state["decode_only"]:
             (group,) = state["groups"]
             return self._decode_only(q, key_cache, value_cache, group, scale, kv_heads, group_size)
+        if state["dense"]:
+            (group,) = state["groups"]
+            return self._dense(q, key_cache, value_cache, group, scale, kv_heads, group_size)
         for batched in state["groups"]:
             bsz, q_max = batched.token_index.shape
             keys = _gather(key_cache, batched.block_table, batched.ctx_max)  # [B, Hkv, L, D]
@@ -159,7 +176,7 @@ class TorchPagedAttention(AttentionKernel):
         cache = state.setdefault("windows", {})
         if window not in cache:
             groups = [
-                replace(g, mask=_windowed(g, window), all_keys_visible=False)
+                replace(g, mask=_windowed(g, window), all_keys_visible=False, sdpa_mask=None)
                 for g in state["groups"]
             ]
             singles = [
@@ -168,6 +185,22 @@ class TorchPagedAttention(AttentionKernel):
             ]
             cache[window] = {**state, "groups": groups, "singles": singles}
         return cache[window]
+
+    @staticmethod
+    def _dense(q, key_cache, value_cache, batched, scale, kv_heads, group):
+        tokens, num_heads, head_dim = q.shape
+        bsz, q_max = batched.token_index.shape
+        keys = _gather(key_cache, batched.block_table, batched.ctx_max)  # [B, Hkv, L, D]
+        values = _gather(value_cache, batched.block_table, batched.ctx_max)
+        queries = q.view(bsz, q_max, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+        queries = queries.reshape(bsz, kv_heads, q_max * group, head_dim)
+        mask = batched.sdpa_mask
+        if mask is None or mask.shape[2] != q_max * group:
+            mask = batched.mask.expand(bsz, 1, q_max, group, batched.ctx_max)
+            mask = batched.sdpa_mask = mask.reshape(bsz, 1, q_max * group, batched.ctx_max)
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        attn = attn.view(bsz, kv_heads, q_max, group, head_dim).permute(0, 2, 1, 3, 4)
+        return attn.reshape(tokens, num_heads, head_dim)
 
     @staticmethod
     def _decode_only(q, key_cache, value_cache, batched, scale, kv_heads, group):
@@ -229,6 +262,9 @@ def _batched_group(rows: list[int], meta: AttentionMetadata, starts: list[int]) 
         ctx_max=ctx_max,
         all_keys_visible=q_max == 1 and all(meta.context_lens[i] == ctx_max for i in rows),
         in_order=[starts[i] for i in rows] == list(range(len(rows))) and q_max == 1,
+        dense=[starts[i] for i in rows] == list(range(0, len(rows) * q_max, q_max))
+        and all(meta.query_lens[i] == q_max for i in rows)
+        and len(rows) * q_max == starts[-1],
     )
 
 

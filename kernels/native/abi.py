@@ -96,14 +96,16 @@ def declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.ss_forward_tree.restype = ctypes.c_int
-    lib.ss_linear_forward.argtypes = [
-        ctypes.POINTER(Linear),
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    lib.ss_linear_forward.restype = ctypes.c_int
+    for name in ("ss_linear_forward", "ss_linear_forward_streamed"):
+        fn = getattr(lib, name)
+        fn.argtypes = [
+            ctypes.POINTER(Linear),
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        fn.restype = ctypes.c_int
     for name in ("ss_store_half", "ss_load_half"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]

@@ -507,6 +507,61 @@ static void linear_f32(const ss_linear *w, const float *x, int rows, float *y, i
     for (int r = 0; r < rows; r++) y[(size_t)r * out + o] = dot_f32(W + (size_t)o * in, x + (size_t)r * in, in);
 }
 
+/* fp32 weights over a few rows, one output at a time: the weight row is read as one sequential
+ * stream with no software prefetch, each input vector is loaded once into a register (the
+ * compiler otherwise folds it into every FMA that uses it, a load per FMA), and the row's sums
+ * are the very sequence dot_f32 computes. On a memory-bound pass this beats the pair tile
+ * above for a few rows: streaming SmolLM2's fp32 matrices on a 2-core AVX-512 EPYC (Zen 4,
+ * 2 threads), 2 rows cost 12.1 ms against the tile's 24.6 (1 row: 11.8 to 14.1), 3 rows 15.8
+ * against 25.1, 5 rows 22.2 against 26.3, 6 rows 27.5 against 26.3: the pair tile's two
+ * interleaved weight streams and its prefetches held the pass to ~20 GB/s where one stream
+ * reached ~40. Which serves a shape and row count is measured per machine
+ * (shared/model/fp32_route.py offers both), as the AVX2 EPYC measured the tile best. */
+#define F32_STREAM_MAX_ROWS 8
+#if SS_AVX2
+static inline __attribute__((always_inline)) void f32_stream_tile(const float *W, const float *x, int in, int out,
+                                                                 int o, float *y, const int nr) {
+  const float *w0 = W + (size_t)o * in;
+  f32_vec acc[F32_STREAM_MAX_ROWS];
+  for (int r = 0; r < nr; r++) acc[r] = f32_zero();
+  int i = 0;
+  for (; i + F32_STEP <= in; i += F32_STEP) {
+    f32_vec wv = f32_load(w0 + i);
+    for (int r = 0; r < nr; r++) {
+      f32_vec xv = f32_load(x + (size_t)r * in + i);
+      __asm__("" : "+v"(xv)); /* keep the load a register load: not folded into the FMA */
+      acc[r] = f32_fma(wv, xv, acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; r++) {
+    float t = f32_sum(acc[r]);
+    for (int j = i; j < in; j++) t += w0[j] * x[(size_t)r * in + j];
+    y[(size_t)r * out + o] = t;
+  }
+}
+#endif
+
+static void linear_f32_streamed(const ss_linear *w, const float *x, int rows, float *y, int o0, int o1) {
+#if SS_AVX2
+  const float *W = (const float *)w->data;
+  int in = w->in_features, out = w->out_features;
+  if (rows <= F32_STREAM_MAX_ROWS) {
+    for (int o = o0; o < o1; o++) switch (rows) {
+        case 8: f32_stream_tile(W, x, in, out, o, y, 8); break;
+        case 7: f32_stream_tile(W, x, in, out, o, y, 7); break;
+        case 6: f32_stream_tile(W, x, in, out, o, y, 6); break;
+        case 5: f32_stream_tile(W, x, in, out, o, y, 5); break;
+        case 4: f32_stream_tile(W, x, in, out, o, y, 4); break;
+        case 3: f32_stream_tile(W, x, in, out, o, y, 3); break;
+        case 2: f32_stream_tile(W, x, in, out, o, y, 2); break;
+        default: f32_stream_tile(W, x, in, out, o, y, 1); break;
+      }
+    return;
+  }
+#endif
+  linear_f32(w, x, rows, y, o0, o1);
+}
+
 /* Q4_1: w = d * q + m, so sum(w * x) = sum_b d_b * sum(q * x) + sum_b m_b * xsum_b, where
  * xsum holds each row's per-block sum(x), computed once per call. */
 static void linear_q4_1(const ss_linear *w, const float *x, const float *xsum, int rows, float *y,
@@ -1335,17 +1390,23 @@ typedef struct {
   const ss_acts *acts;
   int rows;
   float *y;
+  int streamed; /* fp32: linear_f32_streamed */
 } head_ctx;
 
 static void head_job(void *arg, int tid, int nth) {
   head_ctx *c = (head_ctx *)arg;
   unsigned csr = flush_denormals();
-  linear_part(c->w, c->x, c->xsum, c->acts, c->rows, c->y, tid, nth);
+  if (c->streamed && c->w->kind == SS_F32) {
+    int o0, o1;
+    split(c->w->out_features, tid, nth, &o0, &o1);
+    linear_f32_streamed(c->w, c->x, c->rows, c->y, o0, o1);
+  } else {
+    linear_part(c->w, c->x, c->xsum, c->acts, c->rows, c->y, tid, nth);
+  }
   restore_csr(csr);
 }
 
-/* y [rows, out] = x [rows, in] W^T, on the pool (the output head, or any one matrix). */
-int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, int nth) {
+static int linear_forward(const ss_linear *w, const float *x, int rows, float *y, int nth, int streamed) {
   if (rows <= 0 || check_linear(w)) return -1;
   if (nth < 1) nth = 1;
   if (nth > SS_MAX_THREADS) nth = SS_MAX_THREADS;
@@ -1355,10 +1416,21 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
   ss_acts acts = acts_view(mem, rows, w->in_features);
   float *xsum = (float *)((char *)mem + acts_bytes(rows, w->in_features));
   prepare_rows(w, x, rows, 0, rows, xsum, &acts);
-  head_ctx c = {.w = w, .x = x, .xsum = xsum, .acts = &acts, .rows = rows, .y = y};
+  head_ctx c = {.w = w, .x = x, .xsum = xsum, .acts = &acts, .rows = rows, .y = y, .streamed = streamed};
   pool_run(head_job, &c, nth);
   free(mem);
   return 0;
+}
+
+/* y [rows, out] = x [rows, in] W^T, on the pool (the output head, or any one matrix). */
+int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, int nth) {
+  return linear_forward(w, x, rows, y, nth, 0);
+}
+
+/* The same product; fp32 weights over up to F32_STREAM_MAX_ROWS rows one output at a time
+ * (linear_f32_streamed). Same bits as ss_linear_forward: only the order of outputs differs. */
+int ss_linear_forward_streamed(const ss_linear *w, const float *x, int rows, float *y, int nth) {
+  return linear_forward(w, x, rows, y, nth, 1);
 }
 
 int ss_simd(void) { return SS_AVX2; }

@@ -9,7 +9,9 @@ SmolLM2's 121 matrices: on the AVX2 one, 75 ms for 1 row through `linear` but 15
 2-5 rows, against 55-80 ms weight-stationary; on the AVX-512 one the 49,152 x 576 head alone
 took 18 and 25 ms for 2 and 3 rows through `linear` (7.9 ms for 1), 3.4 and 4.7 ms
 weight-stationary. So a speculative verify step cost two to three plain steps. On other
-shapes and row counts `linear` wins.
+shapes and row counts `linear` wins. The native kernel's own loops are candidates too (its
+register tiles, and for up to `STREAMED_MAX_ROWS` rows its single-stream loop), as their
+order of speed flips between those two machines as well.
 
 So the route is measured, the first time a row count is seen on this machine (per thread
 count): the most recently registered fp32 weights (the model loaded last, up to
@@ -66,7 +68,7 @@ SMALL_ROWS = 16
 ROW_BUCKETS = (24, 32, 48, 64, 96, 128)
 ALIGNMENT = 64  # bytes: a cache line, and past every vector width MKL's kernels align to
 _ROUNDS = 2
-ROUTES_VERSION = 4  # bump when what is measured changes, so cached routes are redone
+ROUTES_VERSION = 5  # bump when what is measured changes, so cached routes are redone
 # The measurement streams at most this much of the most recently loaded weights: well past a
 # CPU's cache (so they come from memory, as in a step), and a pause of tens of ms, once per
 # row count and machine, whatever else the process holds.
@@ -121,12 +123,13 @@ class _NativeF32:
     over SmolLM2's matrices cost 1.6 one-row passes on an AVX2 EPYC). Absent where the
     library cannot be built (no compiler): the route then never offers it."""
 
-    def __init__(self) -> None:
+    def __init__(self, streamed: bool = False) -> None:
         from kernels.native import abi
         from kernels.native.build import load
 
         self._abi = abi
         self._build = load()
+        self._streamed = streamed
         # weight storage address -> its descriptor, for the weights alive (a freed weight's
         # address may be reused: the shape is checked too).
         self._matrices: dict[int, tuple[int, int, object]] = {}
@@ -143,7 +146,9 @@ class _NativeF32:
             entry = self._matrices[weight.data_ptr()] = (out, inp, linear)
         x = x.contiguous()
         y = torch.empty((x.shape[0], out), dtype=torch.float32)
-        code = self._build.library.ss_linear_forward(
+        lib = self._build.library
+        forward = lib.ss_linear_forward_streamed if self._streamed else lib.ss_linear_forward
+        code = forward(
             ctypes.byref(entry[2]),  # type: ignore[arg-type]
             x.data_ptr(),
             x.shape[0],
@@ -155,14 +160,20 @@ class _NativeF32:
         return y
 
 
-_native: _NativeF32 | None = None
+# The native kernel's two loops over fp32 weights (decode_step.c): register tiles of a pair of
+# outputs ("native"), or one output at a time as a single weight stream ("native-streamed",
+# up to STREAMED_MAX_ROWS rows). Both give every row the same bits; which streams memory
+# faster differs by machine (2 and 3 rows: 12 and 16 ms a pass streamed against 25 tiled on an
+# AVX-512 EPYC, where an AVX2 EPYC had the tile near one row's cost).
+STREAMED_MAX_ROWS = 8
+_natives: dict[bool, _NativeF32] = {}
 
 
-def _native_call() -> _NativeF32 | None:
-    global _native
-    if _native is None:
-        _native = _NativeF32()
-    return _native if _native.available else None
+def _native_call(streamed: bool = False) -> _NativeF32 | None:
+    native = _natives.get(streamed)
+    if native is None:
+        native = _natives[streamed] = _NativeF32(streamed)
+    return native if native.available else None
 
 
 def _calls(rows: int) -> dict[str, Call]:
@@ -172,6 +183,8 @@ def _calls(rows: int) -> dict[str, Call]:
     native = _native_call()
     if native is not None:
         calls["native"] = native
+        if 1 < rows <= STREAMED_MAX_ROWS:
+            calls["native-streamed"] = _native_call(streamed=True)  # type: ignore[assignment]
     return calls
 
 
@@ -321,8 +334,8 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _call(route: str) -> Call:
-    if route == "native":
-        native = _native_call()
+    if route in ("native", "native-streamed"):
+        native = _native_call(streamed=route == "native-streamed")
         assert native is not None, "a native route is only chosen where the library loads"
         return native
     return _CALLS[route]

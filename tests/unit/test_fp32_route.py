@@ -30,7 +30,8 @@ def _fake_timing(monkeypatch, seconds: dict[str, float]) -> list[int]:
 
     def fake_pass(call, weights, xs):
         passes[0] += 1
-        name = next(n for n, c in fp32_route._calls(1).items() if c is call)
+        calls = {**fp32_route._calls(2), **fp32_route._calls(1)}
+        name = next(n for n, c in calls.items() if c is call)
         slowest = max(seconds.values()) + 1.0  # a call the test does not price never wins
         return {(w.shape[0], w.shape[1]): seconds.get(name, slowest) for w in weights}
 
@@ -71,20 +72,48 @@ def test_every_call_gives_the_same_bits_wherever_the_weight_was_loaded():
         assert torch.equal(loaded(x), fresh(x)), rows
 
 
-def test_the_native_call_computes_each_row_as_it_would_alone():
-    """The native fp32 kernel (register tiles of six rows and two outputs) gives every row
-    the bits it gets alone: a verify step's rows never depend on their step-mates."""
+@pytest.mark.parametrize("inputs", [576, 100])  # 100: a tail past the last whole vector
+def test_the_native_calls_compute_each_row_as_it_would_alone(inputs):
+    """Both native fp32 loops (register tiles of six rows and two outputs; one output at a
+    time over a single weight stream) give every row the bits it gets alone, and the same
+    bits as each other: a verify step's rows never depend on their step-mates or on which
+    loop this machine measured faster."""
     native = fp32_route._native_call()
     if native is None:
         pytest.skip("the native library cannot be built here (no compiler)")
+    streamed = fp32_route._native_call(streamed=True)
+    assert streamed is not None
     torch.manual_seed(5)
-    w = fp32_route.aligned(torch.randn(131, 576))  # an odd output count: a lone last output
-    for rows in (2, 5, 6, 7, 13, 16):
-        x = torch.randn(rows, 576)
+    w = fp32_route.aligned(torch.randn(131, inputs))  # an odd output count: a lone last output
+    for rows in (2, 3, 5, 6, 7, 8, 9, 13, 16):
+        x = torch.randn(rows, inputs)
         together = native(x, w)
         alone = torch.cat([native(x[r : r + 1], w) for r in range(rows)])
         assert torch.equal(together, alone), rows
+        assert torch.equal(streamed(x, w), together), rows
         torch.testing.assert_close(together, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_the_streamed_native_call_is_offered_for_a_few_rows_only():
+    if fp32_route._native_call() is None:
+        pytest.skip("the native library cannot be built here (no compiler)")
+    assert "native-streamed" not in fp32_route._calls(1)  # one row: the same loop as native
+    assert "native-streamed" in fp32_route._calls(2)
+    assert "native-streamed" in fp32_route._calls(fp32_route.STREAMED_MAX_ROWS)
+    assert "native-streamed" not in fp32_route._calls(fp32_route.STREAMED_MAX_ROWS + 1)
+
+
+def test_the_streamed_native_call_is_chosen_where_it_is_fastest(fresh_routes, monkeypatch):
+    if fp32_route._native_call() is None:
+        pytest.skip("the native library cannot be built here (no compiler)")
+    torch.manual_seed(8)
+    layer = Linear(torch.randn(48, 32), "fp32")
+    timing = {"linear": 4.0, "weight-stationary": 3.0, "native": 2.0, "native-streamed": 1.0}
+    _fake_timing(monkeypatch, timing)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.fp32), rtol=1e-5, atol=1e-5)
+    assert fp32_route._routes[(48, 32, 3, torch.get_num_threads())] == "native-streamed"
+    assert '"native-streamed"' in fresh_routes.read_text()  # shared with other processes
 
 
 def test_the_native_call_is_chosen_where_it_is_fastest(fresh_routes, monkeypatch):
