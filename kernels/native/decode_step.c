@@ -425,14 +425,26 @@ static inline void split(int n, int tid, int nth, int *begin, int *end) {
  * weight block is decoded once per eight rows. */
 
 #if SS_AVX2
-/* fp32 weights over several rows: a pair of outputs and six rows form a tile whose twelve
- * sums stay in registers, so each weight vector loaded feeds six FMAs and each input vector
- * two. A verify step of k + 1 rows then costs arithmetic, not k more passes over the
- * weights (a bandwidth-bound step's whole price). Each (row, output) sum is the very
+/* fp32 weights over several rows: F32_TILE_OUTS outputs and six rows form a tile whose sums
+ * stay in registers, so each weight vector loaded feeds six FMAs and each input vector
+ * F32_TILE_OUTS. A verify step of k + 1 rows then costs arithmetic, not k more passes over
+ * the weights (a bandwidth-bound step's whole price). Each (row, output) sum is the very
  * sequence dot_f32 computes (one accumulator over the vectors in order, then its tail), so
- * a row's bits never depend on the rows beside it. */
+ * a row's bits never depend on the rows beside it.
+ * Four outputs where 32 vector registers hold the 24 sums (AVX-512), a pair where 16 do:
+ * streaming SmolLM2's fp32 matrices on a 2-core AVX-512 EPYC, 72 rows (a batch of 8
+ * verifying 8 drafts each) cost 150 ms a pass in pairs and 111 ms in fours, 16 rows 48 and 35,
+ * 9 rows 30 and 27, 4 to 8 rows 26-28 and 23-27. Each input vector is held in a register
+ * (F32_KEEP): left to itself the compiler reloaded it for every FMA, as a memory operand,
+ * which made the loop load-bound (72 rows 150 -> 140 ms with that alone). */
 #define F32_TILE_ROWS 6
-/* Floats ahead of the pair's two loads whose lines are requested early (the union of the two
+#if SS_AVX512
+#define F32_TILE_OUTS 4
+#else
+#define F32_TILE_OUTS 2
+#endif
+#define F32_KEEP(v) __asm__("" : "+v"(v))
+/* Floats ahead of the tile's weight loads whose lines are requested early (their union
  * covers the weights that follow, whatever the shape). The hardware prefetcher keeps a
  * one-row pass at bandwidth but not a tile, whose arithmetic stalls the stream it follows:
  * 8 rows over SmolLM2's matrices on 2 AVX2 threads cost 31.9 ms a pass without, 22.5 with
@@ -454,32 +466,47 @@ static inline f32_vec f32_fma(f32_vec a, f32_vec b, f32_vec c) { return _mm256_f
 static inline float f32_sum(f32_vec v) { return hsum8(v); }
 #endif
 
-/* y[r, o..o+1] for the nr rows r0..r0+nr-1 (nr <= 6 a literal at each call: every size
- * gets its own register-resident loop). */
+/* y[r, o..o+no-1] for the nr rows r0..r0+nr-1 (no <= F32_TILE_OUTS and nr <= 6 literals at
+ * each call: every shape gets its own register-resident loop). */
 static inline __attribute__((always_inline)) void f32_tile(const float *W, const float *x, int in, int out, int o,
-                                                          int r0, float *y, const int nr) {
-  const float *w0 = W + (size_t)o * in, *w1 = w0 + in, *xr = x + (size_t)r0 * in;
-  f32_vec a0[F32_TILE_ROWS], a1[F32_TILE_ROWS];
-  for (int r = 0; r < nr; r++) a0[r] = a1[r] = f32_zero();
+                                                          int r0, float *y, const int no, const int nr) {
+  const float *w0 = W + (size_t)o * in, *xr = x + (size_t)r0 * in;
+  f32_vec acc[F32_TILE_OUTS][F32_TILE_ROWS];
+  for (int j = 0; j < no; j++)
+    for (int r = 0; r < nr; r++) acc[j][r] = f32_zero();
   int i = 0;
   for (; i + F32_STEP <= in; i += F32_STEP) {
-    f32_vec v0 = f32_load(w0 + i), v1 = f32_load(w1 + i);
-    _mm_prefetch((const char *)(w0 + i + F32_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(w1 + i + F32_AHEAD), _MM_HINT_T0);
+    f32_vec wv[F32_TILE_OUTS];
+    for (int j = 0; j < no; j++) {
+      wv[j] = f32_load(w0 + (size_t)j * in + i);
+      _mm_prefetch((const char *)(w0 + (size_t)j * in + i + F32_AHEAD), _MM_HINT_T0);
+    }
     for (int r = 0; r < nr; r++) {
       f32_vec xv = f32_load(xr + (size_t)r * in + i);
-      a0[r] = f32_fma(v0, xv, a0[r]);
-      a1[r] = f32_fma(v1, xv, a1[r]);
+      F32_KEEP(xv);
+      for (int j = 0; j < no; j++) acc[j][r] = f32_fma(wv[j], xv, acc[j][r]);
     }
   }
-  for (int r = 0; r < nr; r++) {
-    float t0 = f32_sum(a0[r]), t1 = f32_sum(a1[r]);
-    for (int j = i; j < in; j++) {
-      t0 += w0[j] * xr[(size_t)r * in + j];
-      t1 += w1[j] * xr[(size_t)r * in + j];
+  for (int r = 0; r < nr; r++)
+    for (int j = 0; j < no; j++) {
+      float t = f32_sum(acc[j][r]);
+      for (int k = i; k < in; k++) t += w0[(size_t)j * in + k] * xr[(size_t)r * in + k];
+      y[(size_t)(r0 + r) * out + o + j] = t;
     }
-    y[(size_t)(r0 + r) * out + o] = t0;
-    y[(size_t)(r0 + r) * out + o + 1] = t1;
+}
+
+/* Outputs [o, o + no) over every row: full tiles of six rows, then the rest. */
+static inline __attribute__((always_inline)) void f32_tiles(const float *W, const float *x, int in, int out, int o,
+                                                           int rows, float *y, const int no) {
+  int r0 = 0;
+  for (; r0 + F32_TILE_ROWS <= rows; r0 += F32_TILE_ROWS) f32_tile(W, x, in, out, o, r0, y, no, F32_TILE_ROWS);
+  switch (rows - r0) {
+    case 5: f32_tile(W, x, in, out, o, r0, y, no, 5); break;
+    case 4: f32_tile(W, x, in, out, o, r0, y, no, 4); break;
+    case 3: f32_tile(W, x, in, out, o, r0, y, no, 3); break;
+    case 2: f32_tile(W, x, in, out, o, r0, y, no, 2); break;
+    case 1: f32_tile(W, x, in, out, o, r0, y, no, 1); break;
+    default: break;
   }
 }
 #endif
@@ -488,19 +515,11 @@ static void linear_f32(const ss_linear *w, const float *x, int rows, float *y, i
   const float *W = (const float *)w->data;
   int in = w->in_features, out = w->out_features, o = o0;
 #if SS_AVX2
-  if (rows > 1) {
-    for (; o + 2 <= o1; o += 2) { /* the pair's weights stay in L1 across the row tiles */
-      int r0 = 0;
-      for (; r0 + F32_TILE_ROWS <= rows; r0 += F32_TILE_ROWS) f32_tile(W, x, in, out, o, r0, y, F32_TILE_ROWS);
-      switch (rows - r0) {
-        case 5: f32_tile(W, x, in, out, o, r0, y, 5); break;
-        case 4: f32_tile(W, x, in, out, o, r0, y, 4); break;
-        case 3: f32_tile(W, x, in, out, o, r0, y, 3); break;
-        case 2: f32_tile(W, x, in, out, o, r0, y, 2); break;
-        case 1: f32_tile(W, x, in, out, o, r0, y, 1); break;
-        default: break;
-      }
-    }
+  if (rows > 1) { /* the outputs' weights stay in L1 across the row tiles */
+    for (; o + F32_TILE_OUTS <= o1; o += F32_TILE_OUTS) f32_tiles(W, x, in, out, o, rows, y, F32_TILE_OUTS);
+#if F32_TILE_OUTS > 2
+    for (; o + 2 <= o1; o += 2) f32_tiles(W, x, in, out, o, rows, y, 2);
+#endif
   }
 #endif
   for (; o < o1; o++)
@@ -510,12 +529,12 @@ static void linear_f32(const ss_linear *w, const float *x, int rows, float *y, i
 /* fp32 weights over a few rows, one output at a time: the weight row is read as one sequential
  * stream with no software prefetch, each input vector is loaded once into a register (the
  * compiler otherwise folds it into every FMA that uses it, a load per FMA), and the row's sums
- * are the very sequence dot_f32 computes. On a memory-bound pass this beats the pair tile
- * above for a few rows: streaming SmolLM2's fp32 matrices on a 2-core AVX-512 EPYC (Zen 4,
- * 2 threads), 2 rows cost 12.1 ms against the tile's 24.6 (1 row: 11.8 to 14.1), 3 rows 15.8
- * against 25.1, 5 rows 22.2 against 26.3, 6 rows 27.5 against 26.3: the pair tile's two
- * interleaved weight streams and its prefetches held the pass to ~20 GB/s where one stream
- * reached ~40. Which serves a shape and row count is measured per machine
+ * are the very sequence dot_f32 computes. On a memory-bound pass this beats the tiles above
+ * for a few rows: streaming SmolLM2's fp32 matrices on a 2-core AVX-512 EPYC (Zen 4,
+ * 2 threads), 2 rows cost 12.1 ms against a pair tile's 24.6 and a four-output tile's 22
+ * (1 row: 11.8 to 14.1), 3 rows 15.8 against 25.1 and 23, 5 rows 22.2 against 26.3 and 23,
+ * 6 rows 27.5 against 26.3 and 25.5: the tiles' interleaved weight streams and prefetches
+ * held the pass to ~20-25 GB/s where one stream reached ~40. Which serves a shape and row count is measured per machine
  * (shared/model/fp32_route.py offers both), as the AVX2 EPYC measured the tile best. */
 #define F32_STREAM_MAX_ROWS 8
 #if SS_AVX2
@@ -529,7 +548,7 @@ static inline __attribute__((always_inline)) void f32_stream_tile(const float *W
     f32_vec wv = f32_load(w0 + i);
     for (int r = 0; r < nr; r++) {
       f32_vec xv = f32_load(x + (size_t)r * in + i);
-      __asm__("" : "+v"(xv)); /* keep the load a register load: not folded into the FMA */
+      F32_KEEP(xv); /* a register load, not folded into the FMA */
       acc[r] = f32_fma(wv, xv, acc[r]);
     }
   }
