@@ -64,7 +64,16 @@ NUM_SPECULATIVE_TOKENS = 4
 # grounded b1 0.96/1.06x vs 0.85/0.87x; adaptive chat b1 2.26/2.28x vs 2.07/2.10x, chat b8
 # 1.50/1.32x vs 1.35/1.18x, grounded b1 1.72/1.77x vs 1.70/1.65x (grounded b8 split: 1.01/1.00x
 # vs 0.88/1.28x). 0.15 lost to both.
-DRAFT_MIN_CONFIDENCE = 0.5
+# Then the fp32 route gained its single-stream native loop and four-output tiles on that
+# machine (shared/model/fp32_route.py), and a verify row became cheap again: 1 row 28.6 ms,
+# 2 rows 30.7, 3 rows 33.4, 9 rows 45.6. Re-measured with the same head, one process, the
+# two cutoffs interleaved prompt by prompt, 0.3 against 0.5: head alone chat b1 1.46x vs
+# 1.26x, chat b8 0.92x vs 0.91x, grounded b1 1.03x vs 1.00x, grounded b8 0.91x vs 0.90x;
+# adaptive chat b1 2.60x vs 2.59x, chat b8 1.55x vs 1.54x, grounded b1 1.88x vs 1.68x,
+# grounded b8 1.06x vs 1.03x (an earlier sweep, before the four-output tiles, with 0.15 too:
+# 0.3 ahead at b1, level at b8, 0.15 behind). So 0.3 again: the cutoff follows what a row
+# costs, and that is the machine's and the kernel's.
+DRAFT_MIN_CONFIDENCE = 0.3
 # A draft head drafts a tree for greedy rows when this is above 1: at each depth its
 # `width` likeliest nodes are extended by their `width` likeliest next tokens
 # (shared/speculative/tree.py). 1 drafts chains. Measured with `splitserve bench spec`
