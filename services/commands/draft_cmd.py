@@ -143,7 +143,12 @@ def add_command(sub) -> None:
         "--max-minutes", type=float, default=30.0, help="each round's training CPU minutes"
     )
     a.add_argument("--max-steps", type=int, default=None, help="each round's optimizer steps")
-    a.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    a.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="AdamW peak learning rate (default: 1e-3 going on from the served head, 3e-3 fresh)",
+    )
     a.add_argument(
         "--vocab-size", type=int, default=4096, help="head vocabulary (a fresh head only)"
     )
@@ -275,6 +280,8 @@ def _head_trainer(args: argparse.Namespace, checkpoint, tokenizer):
         max_minutes=args.max_minutes,
         vocab_size=args.vocab_size,
         lr=args.lr or HeadTrainConfig().lr,
+        # An explicit --lr is every run's; otherwise a continued head gets its own default.
+        lr_continued=args.lr or HeadTrainConfig().lr_continued,
         seed=args.seed,
         precision=args.precision,
         max_steps=args.max_steps,

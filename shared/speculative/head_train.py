@@ -51,6 +51,13 @@ class HeadTrainConfig:
     # 3e-3 against 1e-3 measured +0.02 and +0.01 held-out agreement after 300 steps (two
     # seeds, 150 logged conversations of bench spec's log); 6e-3 lost 0.015.
     lr: float = 3e-3
+    # Peak learning rate of a run that goes on from a trained head (`init`; None: `lr`). At
+    # `lr` a warm start first undid what the head knew: an adaptation round from the bench's
+    # 30-CPU-minute head, bench spec's whole log, fell from 0.455 held-out agreement to
+    # 0.36-0.39 (sampled) over its first 186 steps; on the log's latest 300 turns (7 CPU-min,
+    # ~300 steps, 19 held-out chats) 3e-3 ended at 0.800 -> 0.753 (0.75-0.81 sampled on the
+    # way), 1e-3 at 0.800 -> 0.795 (0.84-0.87 sampled).
+    lr_continued: float | None = 1e-3
     weight_decay: float = 0.0
     window: int = 256  # slots per training window
     batch_windows: int = 4
@@ -330,7 +337,10 @@ def train_head(
     initial_train_loss = _mean_loss(head, probe, exact)
     log(f"[head] before training: held-out first-guess agreement {initial:.3f}")
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    peak_lr = config.lr
+    if init is not None and config.lr_continued is not None:
+        peak_lr = config.lr_continued
+    opt = torch.optim.AdamW(params, lr=peak_lr, weight_decay=config.weight_decay)
     precision, timings = choose_precision(head, train, to_head, config, rng)
     log(f"[head] training precision {precision} ({_timing_line(timings)})")
     train_start = time.process_time()
@@ -343,7 +353,7 @@ def train_head(
         if frac >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = config.lr * lr_factor(frac)
+            group["lr"] = peak_lr * lr_factor(frac)
         windows = [
             _sample_window(rng, train, config.window, to_head) for _ in range(config.batch_windows)
         ]
@@ -380,11 +390,13 @@ def train_head(
             "final_train_loss": _mean_loss(head, probe, exact),
             "precision": precision,
             "step_seconds": timings,
+            "lr": peak_lr,
         },
     )
     earlier_steps = int(init.stats.get("total_steps", init.stats.get("steps", 0))) if init else 0
     stats = {
         "precision": precision,
+        "lr": peak_lr,
         "heldout_agreement": agreement,
         "initial_agreement": initial,
         "steps": step,

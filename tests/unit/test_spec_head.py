@@ -131,7 +131,9 @@ def test_training_goes_on_from_a_head_and_keeps_its_vocabulary(plain, head_file,
     prompts, expected = plain
     conversations = [(p + r, len(p)) for p, r in zip(prompts, expected, strict=True)]
     before = read_head(head_file.path, FINGERPRINT, TINY_CONFIG.vocab_size)
-    config = HeadTrainConfig(max_minutes=2, max_steps=5, vocab_size=256, window=64, lr=1e-3)
+    config = HeadTrainConfig(
+        max_minutes=2, max_steps=5, vocab_size=256, window=64, lr=1e-3, lr_continued=4e-4
+    )
     kwargs = {"config": config, "log": lambda _: None}
     fresh = train_head(
         tiny_checkpoint(seed=0), conversations, tmp_path / "fresh.pt", FINGERPRINT, **kwargs
@@ -150,6 +152,10 @@ def test_training_goes_on_from_a_head_and_keeps_its_vocabulary(plain, head_file,
     assert after.stats["total_steps"] == 155 and after.stats["continued_from"] == before.version
     other = read_head(fresh.path, FINGERPRINT, TINY_CONFIG.vocab_size)
     assert other.stats["continued_from"] is None and other.stats["total_steps"] == 5
+    # A warm start trains at its own, lower peak rate: the head's knowledge is not undone.
+    assert after.stats["lr"] == 4e-4 and went_on.extra["lr"] == 4e-4
+    assert other.stats["lr"] == 1e-3 and fresh.extra["lr"] == 1e-3
+    assert HeadTrainConfig().lr_continued < HeadTrainConfig().lr
 
 
 def _head_drafting(tiny_model, head_file, tree_width: int) -> HeadDraftProposer:
