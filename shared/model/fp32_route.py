@@ -183,8 +183,9 @@ def _calls(rows: int) -> dict[str, Call]:
     native = _native_call()
     if native is not None:
         calls["native"] = native
-        if 1 < rows <= STREAMED_MAX_ROWS:
-            calls["native-streamed"] = _native_call(streamed=True)  # type: ignore[assignment]
+        streamed = _native_call(streamed=True)
+        if streamed is not None and 1 < rows <= STREAMED_MAX_ROWS:
+            calls["native-streamed"] = streamed
     return calls
 
 

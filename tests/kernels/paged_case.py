@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_batch import PagedBatch
 
 
@@ -35,6 +36,15 @@ class PagedCase:
         for q_len in self.query_lens[:-1]:
             starts.append(starts[-1] + q_len)
         return starts
+
+    def metadata(self, trees: list[tuple[int, ...] | None] | None = None) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_lens=self.query_lens,
+            context_lens=self.context_lens,
+            block_tables=self.block_tables,
+            block_size=self.block_size,
+            trees=trees,
+        )
 
     def batch(self) -> PagedBatch:
         return PagedBatch.build(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
 from kernels.reference_attention import reference_paged_attention
 from kernels.torch_attention import TorchPagedAttention
 from tests.kernels.paged_case import make_case
@@ -15,21 +14,11 @@ from tests.kernels.paged_case import make_case
 SCALE = 0.125
 
 
-def _meta(case, trees=None) -> AttentionMetadata:
-    return AttentionMetadata(
-        query_lens=case.query_lens,
-        context_lens=case.context_lens,
-        block_tables=case.block_tables,
-        block_size=case.block_size,
-        trees=trees,
-    )
-
-
 def _run(case, *, dense: bool, trees=None, window=None):
     """The kernel's output and the pool after it, with the dense path allowed or not."""
     pool = case.pool.clone()
     kernel = TorchPagedAttention()
-    meta = _meta(case, trees)
+    meta = case.metadata(trees)
     kernel.prepare(meta)
     state = meta.kernel_state["torch"]
     if not dense:

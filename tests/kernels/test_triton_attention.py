@@ -12,23 +12,17 @@ from kernels.triton_attention import TritonPagedAttention, plan_step  # noqa: E4
 from tests.kernels.paged_case import make_case  # noqa: E402
 
 
-def _meta(case) -> AttentionMetadata:
-    return AttentionMetadata(
-        query_lens=case.query_lens,
-        context_lens=case.context_lens,
-        block_tables=case.block_tables,
-        block_size=case.block_size,
-    )
-
-
 def test_step_plan_sorts_sequences_by_kernel():
     case = make_case([1, 17, 4, 1, 16], [9, 40, 30, 3, 16], head_dim=64, group=1, block_size=16)
-    step = plan_step(_meta(case))
+    step = plan_step(case.metadata())
     assert step.decode.query_start.tolist() == [0, 22]
     assert step.verify.query_start.tolist() == [18, 23]
     assert step.prefill.query_start.tolist() == [1]
     assert step.verify.token_seq.tolist() == [0] * 4 + [1] * 16
-    assert plan_step(_meta(make_case([1], [5], head_dim=64, group=1, block_size=16))).verify is None
+    assert (
+        plan_step(make_case([1], [5], head_dim=64, group=1, block_size=16).metadata()).verify
+        is None
+    )
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -39,9 +33,15 @@ def test_mixed_step_matches_torch_kernel(group):
     case = make_case(query_lens, contexts, head_dim=80, group=group, block_size=16, seed=5)
     torch_pool = case.pool.clone()
     expected = TorchPagedAttention().forward(
-        case.q, case.k_new, case.v_new, torch_pool[:, 1, 0], torch_pool[:, 1, 1], _meta(case), 0.1
+        case.q,
+        case.k_new,
+        case.v_new,
+        torch_pool[:, 1, 0],
+        torch_pool[:, 1, 1],
+        case.metadata(),
+        0.1,
     )
-    meta = _meta(case)
+    meta = case.metadata()
     kernel = TritonPagedAttention(num_splits=2)
     kernel.prepare(meta)
     out = kernel.forward(
