@@ -54,6 +54,7 @@ class Model(ctypes.Structure):
         ("head", Linear),
         ("embed_quants", ctypes.c_void_p),
         ("embed_scales", ctypes.c_void_p),
+        ("input_proj", Linear),  # a draft head's (ss_forward_head); zero for a target
     ]
 
 
@@ -72,6 +73,14 @@ class KV(ctypes.Structure):
 KV_F32, KV_F16 = 0, 1
 
 
+def _rows_call(*row_inputs: type) -> list[type]:
+    """A step's arguments: model, kv, rows, the rows' inputs, positions, tree_base,
+    tree_slots, tree_width, out, threads."""
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    head = [ctypes.POINTER(Model), ctypes.POINTER(KV), integer, *row_inputs]
+    return head + [pointer, pointer, pointer, integer, pointer, integer]
+
+
 def declare(lib: ctypes.CDLL) -> None:
     lib.ss_forward.argtypes = [
         ctypes.POINTER(Model),
@@ -83,19 +92,11 @@ def declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.ss_forward.restype = ctypes.c_int
-    lib.ss_forward_tree.argtypes = [
-        ctypes.POINTER(Model),
-        ctypes.POINTER(KV),
-        ctypes.c_int,
-        ctypes.c_void_p,  # tokens
-        ctypes.c_void_p,  # positions
-        ctypes.c_void_p,  # tree_base
-        ctypes.c_void_p,  # tree_slots
-        ctypes.c_int,  # tree_width
-        ctypes.c_void_p,  # out
-        ctypes.c_int,
-    ]
+    lib.ss_forward_tree.argtypes = _rows_call(ctypes.c_void_p)  # tokens
     lib.ss_forward_tree.restype = ctypes.c_int
+    # tokens, and fp32 [rows, hidden] features
+    lib.ss_forward_head.argtypes = _rows_call(ctypes.c_void_p, ctypes.c_void_p)
+    lib.ss_forward_head.restype = ctypes.c_int
     for name in ("ss_linear_forward", "ss_linear_forward_streamed"):
         fn = getattr(lib, name)
         fn.argtypes = [

@@ -60,33 +60,50 @@ class DraftConfig:
         return cls(**data)
 
 
-@dataclass
 class BatchKV:
-    """Per-layer keys/values [B, kv_heads, capacity, head_dim]."""
+    """A draft's KV cache for B rows, `capacity` positions each.
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    One fp32 tensor [B, layers, 2, capacity, kv_heads, head_dim] holds it: the native step's
+    paged layout (decode_step.c) with one block per row as large as the row's capacity, so a
+    draft head's layer can run in that library on this very memory (head_native.py). `keys`
+    and `values` are per-layer [B, kv_heads, capacity, head_dim] views of it, which the torch
+    path indexes and writes through.
+    """
+
+    def __init__(self, storage: torch.Tensor):
+        if storage.dim() != 6 or storage.shape[2] != 2:
+            raise ValueError(
+                f"a draft KV cache is [B, layers, 2, S, kv_heads, d], not {storage.shape}"
+            )
+        self.storage = storage
+        layers = storage.shape[1]
+        self.keys = [storage[:, i, 0].transpose(1, 2) for i in range(layers)]
+        self.values = [storage[:, i, 1].transpose(1, 2) for i in range(layers)]
 
     @classmethod
     def empty(cls, config: DraftConfig, batch: int, capacity: int) -> BatchKV:
-        shape = (batch, config.num_kv_heads, capacity, config.head_dim)
-        return cls(
-            keys=[torch.zeros(shape) for _ in range(config.num_layers)],
-            values=[torch.zeros(shape) for _ in range(config.num_layers)],
-        )
+        c = config
+        return cls(torch.zeros(batch, c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim))
+
+    @property
+    def batch(self) -> int:
+        return self.storage.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.storage.shape[3]
 
     def grown(self, config: DraftConfig, capacity: int, keep: int) -> BatchKV:
         """This cache with room for `capacity` positions (doubling), its first `keep` kept."""
         if capacity <= self.capacity:
             return self
-        grown = BatchKV.empty(config, self.keys[0].shape[0], max(capacity, 2 * self.capacity))
-        for old, new in zip(self.keys + self.values, grown.keys + grown.values, strict=True):
-            new[:, :, :keep] = old[:, :, :keep]
+        grown = BatchKV.empty(config, self.batch, max(capacity, 2 * self.capacity))
+        grown.storage[:, :, :, :keep] = self.storage[:, :, :, :keep]
         return grown
+
+    def select(self, rows: torch.Tensor) -> BatchKV:
+        """A copy holding only these batch rows."""
+        return BatchKV(self.storage[rows])
 
 
 def gather_kv(
@@ -95,16 +112,14 @@ def gather_kv(
     """Batch-of-one caches -> one padded batch cache holding each one's first lengths[b]."""
     kv = BatchKV.empty(config, len(caches), capacity)
     for row, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-        for dst, src in zip(kv.keys + kv.values, cache.keys + cache.values, strict=True):
-            dst[row, :, :n] = src[0, :, :n]
+        kv.storage[row, :, :, :n] = cache.storage[0, :, :, :n]
     return kv
 
 
 def scatter_kv(kv: BatchKV, caches: list[BatchKV], spans: list[tuple[int, int]]) -> None:
     """Copy positions [start, end) of batch row b back into caches[b] (the inverse of gather)."""
     for row, (cache, (start, end)) in enumerate(zip(caches, spans, strict=True)):
-        for src, dst in zip(kv.keys + kv.values, cache.keys + cache.values, strict=True):
-            dst[0, :, start:end] = src[row, :, start:end]
+        cache.storage[0, :, :, start:end] = kv.storage[row, :, :, start:end]
 
 
 class Projection(nn.Linear):

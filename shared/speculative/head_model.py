@@ -23,16 +23,20 @@ embedding is the target's (shared, not stored in the head file); the output head
 target's own head restricted to the `vocab_ids` most frequent tokens (4,096 of SmolLM2's
 49,152: a full-vocabulary head per guess would read as many bytes as ~8 target layers).
 Neither shared matrix is trained or saved: both are handed in from the target at load time.
+
+Serving runs the whole step (fc, layer, norm) and the logits in the native library where it
+builds (head_native.py, Q8_0 weights), and through torch where it does not; training always
+runs in torch.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.embedding import TokenEmbedding
 from shared.model.fp32_route import aligned, fp32_linear, register
 from shared.model.llama import RotaryEmbedding, rms_norm
 from shared.speculative.draft_model import (
@@ -47,10 +51,10 @@ from shared.speculative.draft_model import (
     layer_qkv,
     serve_projections,
 )
+from shared.speculative.head_native import HEAD_WEIGHTS, HeadParts, NativeHeadLayer, WeightFormat
 
-
-class TargetEmbedding(Protocol):
-    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor: ...
+# The target's token embedding: a tensor, or the serving model's (maybe Q8_0) table.
+TargetEmbedding = TokenEmbedding | torch.Tensor
 
 
 class DraftHead(nn.Module):
@@ -74,6 +78,8 @@ class DraftHead(nn.Module):
         self.embed: TargetEmbedding | None = None
         self.register_buffer("head_rows", torch.zeros(config.vocab_size, h), persistent=False)
         self._rows_routed = False  # see serve()
+        self.native: NativeHeadLayer | None = None  # see serve()
+        self.native_reason = "not serving"
 
     def attach_target(self, embed: TargetEmbedding, head_rows: torch.Tensor) -> None:
         if head_rows.shape != (self.config.vocab_size, self.config.hidden_size):
@@ -98,6 +104,15 @@ class DraftHead(nn.Module):
         b, t, _ = features.shape
         offsets = torch.arange(t)
         positions = offsets[None, :].expand(b, t) if start is None else start[:, None] + offsets
+        if kv is not None and self.native is not None and not torch.is_grad_enabled():
+            flat = self.native.forward(
+                next_ids.reshape(-1).numpy(),
+                features.reshape(b * t, -1),
+                positions.reshape(-1).numpy(),
+                np.repeat(np.arange(b, dtype=np.int32), t),
+                kv,
+            )
+            return flat.view(b, t, -1)
         assert self.embed is not None, "attach_target first"
         x = self.fc(torch.cat([self.embed[next_ids].float(), features], dim=-1))
         x = decoder_layer(self.layer, c, self.rope, x, positions, kv, 0)
@@ -120,6 +135,23 @@ class DraftHead(nn.Module):
         ancestry[i] [N, E] marks (its ancestors' and its own, in slots known .. known + E).
         Returns the nodes' predicted states [N, H]."""
         c = self.config
+        if self.native is not None and not torch.is_grad_enabled():
+            # Node i's logical positions known .. positions[i] are its path's entries, in depth
+            # order (entries are numbered depth by depth, so ascending), its own last.
+            n, width = ancestry.shape[0], int(ancestry.sum(1).max())
+            path = torch.full((n, width), known, dtype=torch.long)
+            for row in range(n):
+                entries = ancestry[row].nonzero()[:, 0]
+                path[row, : len(entries)] = known + entries
+            return self.native.forward(
+                next_ids.numpy(),
+                features,
+                positions.numpy(),
+                np.zeros(n, dtype=np.int32),
+                kv,
+                np.full(n, known, dtype=np.int32),
+                path.numpy(),
+            )
         assert self.embed is not None, "attach_target first"
         x = self.fc(torch.cat([self.embed[next_ids].float(), features], dim=-1))[None]
         q, k, v = layer_qkv(self.layer, c, self.rope, x, positions[None])
@@ -166,16 +198,33 @@ class DraftHead(nn.Module):
             inputs = torch.cat([features[:, :1], out[:, :-1]], dim=1)
         return outputs
 
-    def serve(self) -> None:
-        """Inference from now on: every matrix (the shared output rows too) multiplies
-        through the fp32 route."""
+    def serve(self, native_weights: WeightFormat = HEAD_WEIGHTS) -> None:
+        """Inference from now on: the step runs in the native library, its matrices held
+        in `native_weights` (head_native.py), or where that library does not build every
+        matrix (the shared output rows too) multiplies through the fp32 route."""
         serve_projections(self)
         self.head_rows = aligned(self.head_rows)
         register(self.head_rows)
         self._rows_routed = True
+        # The step in the native library where it builds (head_native.py); torch otherwise.
+        assert self.embed is not None, "attach_target first"
+        parts = HeadParts(
+            self.config,
+            self.embed,
+            self.fc.weight,
+            self.layer,
+            self.norm,
+            self.head_rows,
+            self.rope.cos,
+            self.rope.sin,
+        )
+        self.native, self.native_reason = NativeHeadLayer.create(parts, native_weights)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits over the head vocabulary (draft ids index `vocab_ids`)."""
+        if self.native is not None and not torch.is_grad_enabled():
+            flat = self.native.logits(states.reshape(-1, states.shape[-1]))
+            return flat.view(*states.shape[:-1], self.head_rows.shape[0])
         if self._rows_routed and not torch.is_grad_enabled():
             flat = fp32_linear(states.reshape(-1, states.shape[-1]), self.head_rows)
             return flat.view(*states.shape[:-1], self.head_rows.shape[0])

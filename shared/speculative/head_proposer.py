@@ -150,7 +150,7 @@ class HeadDraftProposer:
         if chain_rows:
             if len(chain_rows) < len(reqs):
                 index = torch.tensor(chain_rows)
-                kv = BatchKV([k[index] for k in kv.keys], [v[index] for v in kv.values])
+                kv = kv.select(index)
             chains = self._chains(
                 [reqs[r] for r in chain_rows],
                 [states[r] for r in chain_rows],
