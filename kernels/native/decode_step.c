@@ -458,7 +458,9 @@ static inline void split(int n, int tid, int nth, int *begin, int *end) {
  * against into L2 9,216 ahead, the two builds interleaved: 3 rows 26.9 -> 19.4 ms, 9 rows
  * 31.2 -> 20.4, 16 rows 40.9 -> 32.9, 72 rows 115 -> 104 (1 row 17.5 either way, as it
  * streams through dot_f32 with no prefetch); the same build for AVX2 (-mno-avx512f) on that
- * CPU, 9 rows 31.7 -> 23.9. Into L2 2,304 ahead cost 9 rows 22.4 and 16 rows 34.0. */
+ * CPU, 3 rows 26.8 -> 18.3, 9 rows 31.7 -> 23.9, 16 rows 48.1 -> 39.6, but 72 rows 134 -> 145 (a
+ * batch's verify step; not measured on an AVX2 CPU itself). Into L2 2,304 ahead cost 9 rows
+ * 22.4 and 16 rows 34.0. */
 #define F32_AHEAD 9216
 #define F32_PREFETCH_HINT _MM_HINT_T1
 #if SS_AVX512
