@@ -257,19 +257,26 @@ class HeadDraftProposer:
         return drafts
 
     def _tree(self, state: _HeadState, f_root: torch.Tensor, max_nodes: int) -> Draft:
-        """A greedy row's draft tree of at most `max_nodes` nodes, grown depth by depth from
-        the state after its last true pair: the `tree_width` likeliest new nodes of a depth
-        are stepped through the head together (one call per depth), each proposing its
-        `tree_width` likeliest next tokens. A node's likelihood is the product of the head's
-        probabilities along its path; nodes below `min_chain_confidence` are never added."""
+        """A greedy row's draft tree of at most `max_nodes` nodes (EAGLE-2's dynamic tree).
+
+        Expansion: depth by depth, the `tree_width` likeliest nodes of the newest depth are
+        stepped through the head together (one call per depth) and each offers its
+        `tree_width` likeliest next tokens as candidates. A node's likelihood is the product
+        of the head's probabilities along its path; candidates below `min_chain_confidence`
+        are never kept. Selection: the `max_nodes` likeliest candidates of *every* depth.
+        Choosing depth by depth instead spent the budget on the first depths' siblings and
+        cut the main path short where the head was sure of it. A child is never likelier
+        than its parent, so the likeliest candidates always include their ancestors, and
+        expansion stops once the newest depth cannot beat the selection it would join."""
         width = self.tree_width
         floor = math.log(self.min_chain_confidence) if self.min_chain_confidence > 0 else -math.inf
         known = state.known
-        state.kv = state.kv.grown(self.head.config, known + max_nodes, known)
-        tokens: list[int] = []  # head vocabulary ids
+        # Each depth expands at most `width` nodes, each one head cache entry.
+        state.kv = state.kv.grown(self.head.config, known + width * max_nodes, known)
+        tokens: list[int] = []  # head vocabulary ids of every candidate
         parents: list[int] = []
-        score: list[float] = []  # log-likelihood of each node's path
-        entry: dict[int, int] = {}  # node -> its tree entry (cache slot known + entry)
+        score: list[float] = []  # log-likelihood of each candidate's path
+        entry: dict[int, int] = {}  # expanded node -> its cache entry (slot known + entry)
         predicted: dict[int, torch.Tensor] = {-1: f_root}  # node -> the head's next state
         frontier = [-1]
         for depth in range(1, max_nodes + 1):
@@ -278,18 +285,23 @@ class HeadDraftProposer:
             top, choice = logp.topk(min(width, logp.shape[-1]), dim=-1)
             base = torch.tensor([score[n] if n >= 0 else 0.0 for n in frontier])[:, None]
             total = (base + top).flatten()
-            order = total.argsort(descending=True).tolist()
             added: list[int] = []
-            for flat in order:
-                if len(tokens) >= max_nodes or float(total[flat]) < floor:
+            for flat in total.argsort(descending=True).tolist():
+                if float(total[flat]) < floor:
                     break
                 parents.append(frontier[flat // choice.shape[1]])
                 tokens.append(int(choice.flatten()[flat]))
                 score.append(float(total[flat]))
                 added.append(len(tokens) - 1)
             frontier = added[:width]
-            if not frontier or len(tokens) >= max_nodes or depth == max_nodes:
+            if not frontier or depth == max_nodes:
                 break
+            if len(score) >= max_nodes:
+                # The selection's weakest member: a deeper node, no likelier than the best of
+                # this depth, would have to beat it to be proposed.
+                weakest = sorted(score, reverse=True)[max_nodes - 1]
+                if score[frontier[0]] <= weakest:
+                    break
             for node in frontier:
                 entry[node] = len(entry)
             ancestry = torch.zeros((len(frontier), len(entry)), dtype=torch.bool)
@@ -311,4 +323,10 @@ class HeadDraftProposer:
                 predicted[node] = out[row]
         if not tokens:
             return Draft([])
-        return Draft(self.vocab_ids[torch.tensor(tokens)].tolist(), None, tuple(parents))
+        # Likeliest first, ties to the earlier candidate (a parent before its children);
+        # then back in creation order, in which every parent precedes its children.
+        chosen = sorted(sorted(range(len(tokens)), key=lambda n: -score[n])[:max_nodes])
+        index = {node: i for i, node in enumerate(chosen)}
+        kept_parents = tuple(index[parents[n]] if parents[n] >= 0 else -1 for n in chosen)
+        kept = [tokens[n] for n in chosen]
+        return Draft(self.vocab_ids[torch.tensor(kept)].tolist(), None, kept_parents)
