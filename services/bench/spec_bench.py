@@ -149,15 +149,17 @@ def run(
     methods: tuple[str, ...] = METHODS,
     sets_wanted: tuple[str, ...] = SETS,
     log: Callable[[str], None] = print,
-    tree_width: int = EngineConfig().draft_tree_width,
-    min_confidence: float = EngineConfig().draft_min_confidence,
+    head_tuning: dict[str, float] | None = None,
 ) -> dict:
     """``quick``: 4 prompts per set, 32 new tokens; the last two override (smoke tests).
     ``head_path``: the head for method `head`; None trains one on the replayed traffic
     (``head_minutes`` CPU minutes) and reports how under `head_training`. Where a head is
     measured, `adaptive` drafts with it too (it is the draft a pool would be given), with
     n-gram guesses merged into its trees; `draft` stays the distilled standalone draft.
-    ``tree_width`` and ``min_confidence``: the head's tree and cutoff (engine defaults)."""
+    ``head_tuning``: the head's tree and cutoffs by EngineConfig field (else the engine's
+    defaults)."""
+    tuning = dict(head_tuning or {})
+    tuned = EngineConfig(**tuning)  # type: ignore[arg-type]
     if "none" not in methods:
         methods = ("none", *methods)  # every speedup divides by it
     torch.set_num_threads(threads)
@@ -213,8 +215,10 @@ def run(
         "threads": threads,
         "max_tokens": max_tokens,
         "num_speculative_tokens": k,
-        "draft_tree_width": tree_width,
-        "draft_min_confidence": min_confidence,
+        "draft_tree_width": tuned.draft_tree_width,
+        "draft_min_confidence": tuned.draft_min_confidence,
+        "draft_tree_min_confidence": tuned.draft_tree_min_confidence,
+        "draft_tree_max_batch": tuned.draft_tree_max_batch,
         "sets": {},
         "acceptance_histograms": {},
     }
@@ -237,8 +241,7 @@ def run(
                     speculative_method="draft" if method == "head" else method,  # type: ignore[arg-type]
                     num_speculative_tokens=k,
                     draft_path=head_path if uses_head else draft_path,
-                    draft_tree_width=tree_width,
-                    draft_min_confidence=min_confidence,
+                    **tuning,  # type: ignore[arg-type]
                 )
                 engines[method] = Engine(config, model=model, tokenizer=tokenizer)
                 warm = SamplingParams(temperature=0.0, max_tokens=8)

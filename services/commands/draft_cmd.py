@@ -7,6 +7,7 @@ import os
 import sys
 
 from services.commands.common import WEIGHT_FORMATS, fail
+from services.commands.head_tuning import add_head_tuning, head_tuning
 
 
 def add_command(sub) -> None:
@@ -403,18 +404,7 @@ def _gate_options(g) -> None:
         "drafts from measured step costs and takes n-gram guesses too; draft always drafts "
         "with the head alone",
     )
-    g.add_argument(
-        "--tree-width",
-        type=int,
-        default=None,
-        help="the pool's speculative.draft_tree_width (default: the engine's)",
-    )
-    g.add_argument(
-        "--min-confidence",
-        type=float,
-        default=None,
-        help="the pool's speculative.draft_min_confidence (default: the engine's)",
-    )
+    add_head_tuning(g)
     g.add_argument("--max-tokens", type=int, default=64, help="reply length replayed")
     g.add_argument("--max-prompts", type=int, default=16, help="held-out prompts replayed")
     g.add_argument("--heldout-fraction", type=float, default=0.1, help="as the trainer's")
@@ -440,10 +430,8 @@ def _check_gate_options(args: argparse.Namespace) -> tuple[int, ...] | str:
         return f"--threads must be >= 1, got {args.threads}"
     if not 1 <= args.k <= 16:
         return f"--num-speculative-tokens must be in 1..16, got {args.k}"
-    if args.tree_width is not None and not 1 <= args.tree_width <= 4:
-        return f"--tree-width must be in 1..4, got {args.tree_width}"
-    if args.min_confidence is not None and not 0.0 <= args.min_confidence <= 1.0:
-        return f"--min-confidence must be in [0, 1], got {args.min_confidence}"
+    if isinstance(tuning := head_tuning(args), str):
+        return tuning
     if not 0.0 < args.heldout_fraction <= 1.0:
         return f"--heldout-fraction must be in (0, 1], got {args.heldout_fraction}"
     # None: the gate's own default, read from its module (imported late: it loads torch).
@@ -469,15 +457,9 @@ def _replay_gate(args: argparse.Namespace, batches: tuple[int, ...], path, check
         model = LlamaModel(checkpoint, weights=args.weights)
     salt = None if tokenizer else f"untokenized:{checkpoint.source}".encode()
 
-    # The pool's tree and cutoff where given: a head's speed depends on both.
-    pool = {
-        name: value
-        for name, value in (
-            ("draft_tree_width", args.tree_width),
-            ("draft_min_confidence", args.min_confidence),
-        )
-        if value is not None
-    }
+    # The pool's tree and cutoffs where given: a head's speed depends on them.
+    pool = head_tuning(args)
+    assert not isinstance(pool, str)  # checked with the other options
 
     def make_engine(draft: str | None) -> Engine:
         config = EngineConfig(

@@ -7,6 +7,7 @@ import sys
 
 from services.bench.spec_methods import HEAD_MINUTES, METHODS, SETS
 from services.commands.common import add_model_args, fail
+from services.commands.head_tuning import add_head_tuning, head_tuning
 
 
 def add_bench(kinds) -> None:
@@ -37,19 +38,7 @@ def add_bench(kinds) -> None:
         help=f"comma-separated subset of {','.join(METHODS)} (none always runs)",
     )
     spec.add_argument("--sets", default=",".join(SETS), help=f"subset of {','.join(SETS)}")
-    spec.add_argument(
-        "--tree-width",
-        type=int,
-        default=None,
-        help="the head's draft tree (speculative.draft_tree_width; 1 = chains; default: the "
-        "engine's)",
-    )
-    spec.add_argument(
-        "--min-confidence",
-        type=float,
-        default=None,
-        help="the head's cutoff (speculative.draft_min_confidence; default: the engine's)",
-    )
+    add_head_tuning(spec)
     spec.set_defaults(handler=run_spec)
 
 
@@ -64,15 +53,9 @@ def run_spec(args: argparse.Namespace) -> int:
         return fail(f"--methods must name {', '.join(METHODS)}; --sets {', '.join(SETS)}")
     if not args.head_minutes > 0:
         return fail(f"--head-minutes must be > 0, got {args.head_minutes}")
-    if args.tree_width is not None and not 1 <= args.tree_width <= 4:
-        return fail(f"--tree-width must be in 1..4, got {args.tree_width}")
-    if args.min_confidence is not None and not 0.0 <= args.min_confidence <= 1.0:
-        return fail(f"--min-confidence must be in 0..1, got {args.min_confidence}")
-    tuning = {}
-    if args.tree_width is not None:
-        tuning["tree_width"] = args.tree_width
-    if args.min_confidence is not None:
-        tuning["min_confidence"] = args.min_confidence
+    tuning = head_tuning(args)
+    if isinstance(tuning, str):
+        return fail(tuning)
     result = spec_bench.run(
         args.weights,
         args.model,
@@ -85,7 +68,7 @@ def run_spec(args: argparse.Namespace) -> int:
         methods=methods,
         sets_wanted=sets,
         log=_stderr,
-        **tuning,
+        head_tuning=tuning,
     )
     result["machine"] = machine_info()
     print_table(

@@ -100,6 +100,8 @@ class WorkerRuntime:
             draft_path=spec.draft_path,
             draft_min_confidence=spec.draft_min_confidence,
             draft_tree_width=spec.draft_tree_width,
+            draft_tree_min_confidence=spec.draft_tree_min_confidence,
+            draft_tree_max_batch=spec.draft_tree_max_batch,
             ngram_max=spec.ngram_max,
             ngram_min=spec.ngram_min,
         )

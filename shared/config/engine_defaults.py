@@ -75,13 +75,29 @@ NUM_SPECULATIVE_TOKENS = 4
 # costs, and that is the machine's and the kernel's.
 DRAFT_MIN_CONFIDENCE = 0.3
 # A draft head drafts a tree for greedy rows when this is above 1: at each depth its
-# `width` likeliest nodes are extended by their `width` likeliest next tokens
-# (shared/speculative/tree.py). 1 drafts chains. Measured with `splitserve bench spec`
-# (fp32, AVX2 EPYC, the bench's 14-CPU-minute head, k=8): width 2 with the cutoff lowered
-# to 0.1 so that siblings join gave chat head b1 1.11x and adaptive b1 1.09x, against 1.09x
-# and 2.27x for chains at 0.3: a head that agrees with the target's first token 44% of the
-# time buys too few tokens with a sibling's verify row. Trees still carry adaptive's
-# n-gram branch (Speculator: MERGED) at width 1.
-DRAFT_TREE_WIDTH = 1
+# `width` likeliest nodes are extended by their `width` likeliest next tokens, and the k
+# likeliest nodes of all depths are proposed (EAGLE-2's dynamic tree; head_proposer.py,
+# shared/speculative/tree.py). 1 drafts chains. Trees still carry adaptive's n-gram branch
+# (Speculator: MERGED) at width 1.
+# Measured on an AVX-512 (bf16) EPYC, fp32, 2 threads, k=8, the bench's 30-CPU-minute head
+# (held-out agreement 0.487), one process, variants interleaved prompt by prompt: head alone
+# chat b1 1.73x (2.26 accepted/step) for chains; trees 2.05x (2.51) at width 3 with the
+# tree cutoff 0.1, 2.04x (2.51) at width 4 / 0.1, 2.03x (2.58) at 4 / 0.05, 2.02x (2.57)
+# at 3 / 0.05, 1.99x (2.41) at 2 / 0.15, 1.75x (2.26) at 2 / 0.3; grounded b1 1.16x chains,
+# 1.26x at 3 / 0.1. Adaptive is level either way (chat b1 3.26x / 3.24x, grounded b1 2.28x /
+# 2.31x). At b8 trees lost (head chat 0.88x against 0.99x for chains): each row's tree is
+# its own run of head steps, and a verify row there costs compute, hence the batch cap.
+# At b2 (chat, same head) trees were a wash: head alone 1.46x against 1.39x for chains,
+# adaptive 2.37x against 2.50x; at b4 head 1.06x against 1.10x, adaptive 1.78x against 1.79x.
+# (An older AVX2 measurement, before the global reranking, with a 14-CPU-minute head: width
+# 2 at 0.1 gave head b1 1.11x against 1.09x for chains.)
+DRAFT_TREE_WIDTH = 3
+# A tree drops nodes whose path estimate (the product of the head's probabilities along
+# it) falls below this. Lower than the chain cutoff: a tree proposes only its k likeliest
+# nodes anyway, and a doubted sibling is a second chance where a chain has none.
+DRAFT_TREE_MIN_CONFIDENCE = 0.1
+# Trees only while a step decodes at most this many sequences; chains beyond (measured
+# above: trees pay alone at b1 only, once adaptive's share is counted).
+DRAFT_TREE_MAX_BATCH = 1
 NGRAM_MAX = 4
 NGRAM_MIN = 1

@@ -36,6 +36,18 @@ class SpeculativeConfig(BaseModel):
         description="a draft head's tree: nodes extended per depth and tokens per node "
         "(1 = chains); greedy rows only",
     )
+    draft_tree_min_confidence: float = Field(
+        defaults.DRAFT_TREE_MIN_CONFIDENCE,
+        ge=0.0,
+        le=1.0,
+        description="a draft head's tree drops nodes whose path estimate falls below",
+    )
+    draft_tree_max_batch: int = Field(
+        defaults.DRAFT_TREE_MAX_BATCH,
+        ge=1,
+        description="a draft head drafts trees while a step decodes at most this many "
+        "sequences, chains beyond",
+    )
     ngram_max: int = Field(defaults.NGRAM_MAX, ge=1, le=16)
     ngram_min: int = Field(defaults.NGRAM_MIN, ge=1, le=16)
 

@@ -47,6 +47,8 @@ class EngineConfig:
     draft_path: str | None = None  # None = draft_path_for(model)
     draft_min_confidence: float = defaults.DRAFT_MIN_CONFIDENCE
     draft_tree_width: int = defaults.DRAFT_TREE_WIDTH
+    draft_tree_min_confidence: float = defaults.DRAFT_TREE_MIN_CONFIDENCE
+    draft_tree_max_batch: int = defaults.DRAFT_TREE_MAX_BATCH
     ngram_max: int = defaults.NGRAM_MAX
     ngram_min: int = defaults.NGRAM_MIN
 
@@ -94,6 +96,14 @@ class EngineConfig:
             )
         if not 1 <= self.draft_tree_width <= 4:
             raise ValueError(f"draft_tree_width must be in 1..4, got {self.draft_tree_width}")
+        if not 0.0 <= self.draft_tree_min_confidence <= 1.0:
+            raise ValueError(
+                f"draft_tree_min_confidence must be in 0..1, got {self.draft_tree_min_confidence}"
+            )
+        if self.draft_tree_max_batch < 1:
+            raise ValueError(
+                f"draft_tree_max_batch must be at least 1, got {self.draft_tree_max_batch}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 "ngram sizes need 1 <= ngram_min <= ngram_max, "

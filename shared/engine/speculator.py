@@ -60,6 +60,11 @@ class Speculator:
         self.max_model_len = max_model_len
         # Whether verify steps may carry draft trees (the model's decode path honours them).
         self.trees = trees
+        # A draft head drafts trees (not chains) while a step decodes at most this many rows:
+        # each tree is its own run of head steps, and at larger batches a verify row costs
+        # the step real compute (engine_defaults.DRAFT_TREE_MAX_BATCH).
+        self.tree_max_batch = config.draft_tree_max_batch
+        self._wide_trees = False  # this step's: few enough rows decode for head trees
         self.ngram = NgramProposer(config.ngram_max, config.ngram_min)
         self.draft = draft
         self.stats = SpecStats(method=self.method, draft_unavailable=draft_unavailable)
@@ -109,6 +114,7 @@ class Speculator:
                 decoding.append((seq, limit))
         if not decoding:
             return
+        self._wide_trees = len(decoding) <= self.tree_max_batch
         if self.method == "draft" and self.draft is None:
             choices = self._ngram_or_adaptive(decoding, "ngram")  # the draft failed to load
         elif self.method == "draft":
@@ -236,7 +242,7 @@ class Speculator:
         sampling = [not c.seq.params.is_greedy for c in choices]
         start = time.perf_counter()
         if isinstance(self.draft, HeadDraftProposer):
-            trees = [self._may_tree(c.seq) for c in choices]
+            trees = [self._wide_trees and self._may_tree(c.seq) for c in choices]
             drafts = self.draft.propose(requests, sampling, trees)
         else:
             drafts = self.draft.propose(requests, sampling)

@@ -93,6 +93,7 @@ def load_draft_file(
             proposer = load_head_proposer(path, fingerprint, vocab_size, target)
             proposer.min_chain_confidence = config.draft_min_confidence
             proposer.tree_width = config.draft_tree_width
+            proposer.tree_min_confidence = config.draft_tree_min_confidence
             return proposer, None
         except DraftLoadError as exc:
             return None, str(exc)

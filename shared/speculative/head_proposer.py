@@ -52,6 +52,7 @@ class HeadDraftProposer:
         version: str = "untracked",
         min_chain_confidence: float = 0.0,
         tree_width: int = 1,
+        tree_min_confidence: float = 0.0,
     ):
         self.head = head.eval().requires_grad_(False)
         self.head.serve()
@@ -59,14 +60,17 @@ class HeadDraftProposer:
         # top probabilities (its estimate that the chain so far is accepted, as in EAGLE-2)
         # falls below this: a guess the head doubts costs a verify row and a head step and
         # is seldom kept. 0 drafts the full chain. Sampled rows always draft the full chain
-        # (their q must stay the head's distribution for every proposed position). In a tree
-        # the same estimate (the product along a node's path) admits or drops each node.
+        # (their q must stay the head's distribution for every proposed position).
         self.min_chain_confidence = min_chain_confidence
         # Greedy rows draft a tree when > 1: at each depth the `tree_width` likeliest new
         # nodes are extended, each with its `tree_width` likeliest next tokens, and the
         # likeliest nodes overall (at most the row's k) are proposed (EAGLE-2's dynamic tree).
         # Whether rows may verify trees at all is the engine's call (Speculator.trees).
         self.tree_width = tree_width
+        # In a tree the same estimate (the product along a node's path) admits or drops each
+        # node. Lower than a chain's cutoff: a tree keeps only its k likeliest nodes anyway,
+        # and a doubted sibling is a second chance where a chain's guess is the only one.
+        self.tree_min_confidence = tree_min_confidence
         self.version = version  # the head file's content hash (stats, /metrics)
         self.vocab_ids = vocab_ids.long()  # head id -> target id
         self.target_vocab_size = target_vocab_size
@@ -262,14 +266,14 @@ class HeadDraftProposer:
         Expansion: depth by depth, the `tree_width` likeliest nodes of the newest depth are
         stepped through the head together (one call per depth) and each offers its
         `tree_width` likeliest next tokens as candidates. A node's likelihood is the product
-        of the head's probabilities along its path; candidates below `min_chain_confidence`
+        of the head's probabilities along its path; candidates below `tree_min_confidence`
         are never kept. Selection: the `max_nodes` likeliest candidates of *every* depth.
         Choosing depth by depth instead spent the budget on the first depths' siblings and
         cut the main path short where the head was sure of it. A child is never likelier
         than its parent, so the likeliest candidates always include their ancestors, and
         expansion stops once the newest depth cannot beat the selection it would join."""
         width = self.tree_width
-        floor = math.log(self.min_chain_confidence) if self.min_chain_confidence > 0 else -math.inf
+        floor = math.log(self.tree_min_confidence) if self.tree_min_confidence > 0 else -math.inf
         known = state.known
         # Each depth expands at most `width` nodes, each one head cache entry.
         state.kv = state.kv.grown(self.head.config, known + width * max_nodes, known)

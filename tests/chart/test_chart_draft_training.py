@@ -77,6 +77,7 @@ def test_models_drafting_with_a_head_watch_it_on_the_drafts_volume():
     assert small.speculative.draft_path == f"{DRAFT_DIR}/smollm2-135m-instruct.head.pt"
     assert (small.speculative.method, small.speculative.num_speculative_tokens) == ("adaptive", 8)
     assert small.speculative.draft_tree_width == 2
+    assert small.speculative.draft_tree_max_batch == 4
     assert qwen.speculative.draft_path == f"{DRAFT_DIR}/qwen2-5-0-5b.head.pt"
     assert ngram.speculative.draft_path is None and ngram.speculative.method == "ngram"
     for slug, watches in (
@@ -132,6 +133,7 @@ def test_one_adaptation_job_per_head_runs_a_command_line_draft_adapt_accepts():
     # Replayed as each pool serves: its weights, method, draft length and tree.
     assert (small.model, small.weights, small.method, small.k) == (None, "auto", "adaptive", 8)
     assert small.tree_width == 2 and small.min_confidence is None
+    assert small.tree_max_batch == 4 and small.tree_min_confidence is None
     assert (qwen.model, qwen.weights, qwen.method) == (
         "/models/qwen2.5-0.5b-instruct.gguf",
         "int8",

@@ -190,7 +190,9 @@ def test_ready_lists_the_missing_role_and_health_waits_for_registration(stack):
     prefill = stack.processes["prefill-0"]
     prefill.kill(signal.SIGSTOP)  # silent: the coordinator reaps it after missed heartbeats
     try:
-        assert wait_until(lambda: _ready(stack)[0] == 503, 15)
+        # Ceilings, not expectations: under the full suite's load on 2 cores a heartbeat can
+        # run late, and a pass waits only as long as the registry needs.
+        assert wait_until(lambda: _ready(stack)[0] == 503, 60)
         status, ready = _ready(stack)
         assert not ready["ready"]
         assert [(m["model"], m["role"]) for m in ready["missing"]] == [
@@ -199,7 +201,7 @@ def test_ready_lists_the_missing_role_and_health_waits_for_registration(stack):
         assert ready["models"][DEFAULT_MODEL_ID]["replicas"]["decode"] == 2
     finally:
         prefill.kill(signal.SIGCONT)
-    assert wait_until(lambda: _ready(stack)[0] == 200, 15)  # it registers again
+    assert wait_until(lambda: _ready(stack)[0] == 200, 60)  # it registers again
 
     # A restarted worker is NOT_SERVING until the coordinator takes its registration.
     coordinator = stack.processes["coordinator"]
@@ -207,14 +209,14 @@ def test_ready_lists_the_missing_role_and_health_waits_for_registration(stack):
     coordinator.kill(signal.SIGSTOP)
     try:
         stack.processes["decode-0"].kill(signal.SIGKILL)
-        assert wait_until(lambda: stack.supervisor.restarts("decode-0") > restarts, 20)
+        assert wait_until(lambda: stack.supervisor.restarts("decode-0") > restarts, 60)
         spec = stack.processes["decode-0"].spec
         assert wait_until(lambda: spec.ready() == (False, "health NOT_SERVING"), 60)
         time.sleep(1.0)
         assert spec.ready() == (False, "health NOT_SERVING")
     finally:
         coordinator.kill(signal.SIGCONT)
-    assert wait_until(lambda: spec.ready() == (True, "health SERVING"), 30)
+    assert wait_until(lambda: spec.ready() == (True, "health SERVING"), 90)
 
 
 def test_sigterm_drains_a_decode_worker(stack, calm):

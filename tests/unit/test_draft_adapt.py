@@ -152,6 +152,8 @@ def test_adapt_cli_rounds_train_gate_and_go_on_from_the_served_head(tmp_path, ca
         (["--max-steps", "0"], "--max-steps must be >= 1"),
         (["--tree-width", "5"], "--tree-width must be in 1..4, got 5"),
         (["--min-confidence", "1.5"], "--min-confidence must be in [0, 1], got 1.5"),
+        (["--tree-min-confidence", "2"], "--tree-min-confidence must be in [0, 1], got 2.0"),
+        (["--tree-max-batch", "0"], "--tree-max-batch must be >= 1, got 0"),
         (["-k", "0"], "--num-speculative-tokens must be in 1..16, got 0"),
     ],
 )

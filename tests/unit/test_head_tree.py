@@ -65,7 +65,7 @@ def _tree(width: int, budget: int, min_confidence: float = 0.0):
     head = _TableHead(head_config(TINY_CONFIG, VOCAB))
     proposer = HeadDraftProposer(
         head, torch.arange(VOCAB), TINY_CONFIG.vocab_size, tree_width=width,
-        min_chain_confidence=min_confidence,
+        tree_min_confidence=min_confidence,
     )  # fmt: skip
     proposer.observe_hidden("r", 0, torch.zeros(3, TINY_CONFIG.hidden_size))
     [draft] = proposer.propose([DraftRequest("r", [9, 9, 9, ROOT], budget)], [False], [True])

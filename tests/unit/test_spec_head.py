@@ -50,7 +50,8 @@ FINGERPRINT = "tiny-test-tokenizer"
 
 
 def _engine(model, method="none", draft=None, **overrides) -> Engine:
-    cfg = dict(num_blocks=200, block_size=4, speculative_method=method)
+    # Trees at every batch size these tests run (the default cap would turn b8 to chains).
+    cfg = dict(num_blocks=200, block_size=4, speculative_method=method, draft_tree_max_batch=8)
     cfg.update(overrides)
     return Engine(EngineConfig(**cfg), model=model, draft=draft)
 
@@ -184,6 +185,28 @@ def test_head_greedy_equals_plain(tiny_model, plain, head_file, method, batch, t
         assert stats["by_method"]["draft"]["accepted_tokens"] > 0
         assert any(d.is_tree for _, d in verified) == (tree_width > 1)
     assert engine.speculator.draft.num_cached_requests == 0  # released with each request
+
+
+def test_trees_give_way_to_chains_above_the_batch_cap(tiny_model, plain, head_file):
+    prompts, expected = plain
+    head = _head_drafting(tiny_model, head_file, tree_width=3)
+    engine = _engine(tiny_model, "draft", head, num_speculative_tokens=5, draft_tree_max_batch=2)
+    steps: list[tuple[int, bool]] = []  # (rows drafted, any tree) per verify step
+    run = engine.runner.run
+
+    def spy(scheduled, want):
+        drafted = [i.seq.draft for i in scheduled if i.num_draft and i.seq.draft is not None]
+        if drafted:
+            steps.append((len(drafted), any(d.is_tree for d in drafted)))
+        return run(scheduled, want)
+
+    engine.runner.run = spy
+    assert checked_run(engine, prompts[:4], GREEDY) == expected[:4]
+    assert checked_run(engine, prompts[4:5], GREEDY) == expected[4:5]
+    assert any(rows > 2 for rows, _ in steps)
+    # Over the cap (rows drafted never exceed rows decoding), every row drafts a chain.
+    assert not any(tree for rows, tree in steps if rows > 2)
+    assert any(tree for rows, tree in steps if rows == 1)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -418,11 +441,17 @@ def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
         speculative_method="draft",
         draft_min_confidence=0.45,
         draft_tree_width=3,
+        draft_tree_min_confidence=0.07,
     )
     proposer, why = load_draft_file(
         config, str(head_file.path), FINGERPRINT, TINY_CONFIG.vocab_size, tiny_model
     )
     assert why is None and proposer.min_chain_confidence == 0.45 and proposer.tree_width == 3
+    assert proposer.tree_min_confidence == 0.07
+    with pytest.raises(ValueError, match="draft_tree_min_confidence must be in 0..1"):
+        EngineConfig(num_blocks=64, block_size=4, draft_tree_min_confidence=-0.1)
+    with pytest.raises(ValueError, match="draft_tree_max_batch must be at least 1"):
+        EngineConfig(num_blocks=64, block_size=4, draft_tree_max_batch=0)
     with pytest.raises(ValueError, match="draft_min_confidence must be in 0..1"):
         EngineConfig(num_blocks=64, block_size=4, draft_min_confidence=1.5)
     with pytest.raises(ValueError, match="draft_tree_width must be in 1..4"):
