@@ -47,7 +47,8 @@ KNOBS = (
         int,
         1,
         None,
-        "most decoding sequences a step drafts trees for (chains beyond)",
+        "method draft: most decoding sequences a step drafts trees for (chains beyond; "
+        "adaptive drafts trees at any batch)",
     ),
 )
 

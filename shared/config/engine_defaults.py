@@ -85,8 +85,9 @@ DRAFT_MIN_CONFIDENCE = 0.3
 # tree cutoff 0.1, 2.04x (2.51) at width 4 / 0.1, 2.03x (2.58) at 4 / 0.05, 2.02x (2.57)
 # at 3 / 0.05, 1.99x (2.41) at 2 / 0.15, 1.75x (2.26) at 2 / 0.3; grounded b1 1.16x chains,
 # 1.26x at 3 / 0.1. Adaptive is level either way (chat b1 3.26x / 3.24x, grounded b1 2.28x /
-# 2.31x). At b8 trees lost (head chat 0.88x against 0.99x for chains): each row's tree is
-# its own run of head steps, and a verify row there costs compute, hence the batch cap.
+# 2.31x). At b8 trees lost (head chat 0.88x against 0.99x for chains): each row's tree was
+# then its own run of head steps, and a verify row there costs compute, hence the batch cap
+# (re-measured with batched trees below DRAFT_TREE_MAX_BATCH).
 # At b2 (chat, same head) trees were a wash: head alone 1.46x against 1.39x for chains,
 # adaptive 2.37x against 2.50x; at b4 head 1.06x against 1.10x, adaptive 1.78x against 1.79x.
 # (An older AVX2 measurement, before the global reranking, with a 14-CPU-minute head: width
@@ -96,8 +97,15 @@ DRAFT_TREE_WIDTH = 3
 # it) falls below this. Lower than the chain cutoff: a tree proposes only its k likeliest
 # nodes anyway, and a doubted sibling is a second chance where a chain has none.
 DRAFT_TREE_MIN_CONFIDENCE = 0.1
-# Trees only while a step decodes at most this many sequences; chains beyond (measured
-# above: trees pay alone at b1 only, once adaptive's share is counted).
+# Method `draft` drafts trees only while a step decodes at most this many sequences; chains
+# beyond (measured above: head trees pay alone at b1 only). Adaptive ignores the cap: it
+# prices each step's k from measured step costs, so its trees stay small where a verify row
+# is dear. Measured once every row's tree grew in the same head calls (one per depth for the
+# batch; AVX-512 EPYC, fp32, 2 threads, k=8, the bench's head, held-out agreement 0.467; two
+# sweeps, variants interleaved prompt by prompt): adaptive with trees at b8 against chains
+# over batch 1, chat 1.48x / 1.52x of plain against 1.29x / 1.41x, grounded 1.23x / 1.14x
+# against 1.08x / 0.97x; head alone at b8 still lost with trees, chat 0.77x against 0.90x,
+# grounded 0.75x against 1.05x (k full-size trees are 72 verify rows).
 DRAFT_TREE_MAX_BATCH = 1
 NGRAM_MAX = 4
 NGRAM_MIN = 1

@@ -45,8 +45,9 @@ class SpeculativeConfig(BaseModel):
     draft_tree_max_batch: int = Field(
         defaults.DRAFT_TREE_MAX_BATCH,
         ge=1,
-        description="a draft head drafts trees while a step decodes at most this many "
-        "sequences, chains beyond",
+        description="method draft: a draft head drafts trees while a step decodes at most "
+        "this many sequences, chains beyond (adaptive prices k per step and drafts trees at "
+        "any batch size)",
     )
     ngram_max: int = Field(defaults.NGRAM_MAX, ge=1, le=16)
     ngram_min: int = Field(defaults.NGRAM_MIN, ge=1, le=16)

@@ -60,11 +60,13 @@ class Speculator:
         self.max_model_len = max_model_len
         # Whether verify steps may carry draft trees (the model's decode path honours them).
         self.trees = trees
-        # A draft head drafts trees (not chains) while a step decodes at most this many rows:
-        # each tree is its own run of head steps, and at larger batches a verify row costs
-        # the step real compute (engine_defaults.DRAFT_TREE_MAX_BATCH).
+        # Method `draft` drafts head trees (not chains) only while a step decodes at most this
+        # many rows: it proposes k nodes a row whatever they cost, and at larger batches a
+        # verify row costs the step real compute. Adaptive prices each step's k from measured
+        # step costs, so its trees stay small where rows are dear: it drafts trees at any
+        # batch size (engine_defaults.DRAFT_TREE_MAX_BATCH has the measurements).
         self.tree_max_batch = config.draft_tree_max_batch
-        self._wide_trees = False  # this step's: few enough rows decode for head trees
+        self._wide_trees = False  # this step's: head trees rather than chains
         self.ngram = NgramProposer(config.ngram_max, config.ngram_min)
         self.draft = draft
         self.stats = SpecStats(method=self.method, draft_unavailable=draft_unavailable)
@@ -114,7 +116,7 @@ class Speculator:
                 decoding.append((seq, limit))
         if not decoding:
             return
-        self._wide_trees = len(decoding) <= self.tree_max_batch
+        self._wide_trees = self.method == "adaptive" or len(decoding) <= self.tree_max_batch
         if self.method == "draft" and self.draft is None:
             choices = self._ngram_or_adaptive(decoding, "ngram")  # the draft failed to load
         elif self.method == "draft":

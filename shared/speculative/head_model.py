@@ -124,44 +124,57 @@ class DraftHead(nn.Module):
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        known: int,
+        known: int | torch.Tensor,
         ancestry: torch.Tensor,
         kv: BatchKV,
+        batch_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One head step for draft-tree nodes of one request (batch row 0 of `kv`): node i
-        feeds its parent's predicted state features[i] [N, H] and its own token next_ids[i],
-        sits at RoPE position positions[i], writes its K/V at cache slot slots[i] (past the
-        `known` true pairs) and attends to the true pairs and to the tree entries
-        ancestry[i] [N, E] marks (its ancestors' and its own, in slots known .. known + E).
-        Returns the nodes' predicted states [N, H]."""
+        """One head step for draft-tree nodes of one or several requests: node i belongs to
+        batch row batch_rows[i] of `kv` (row 0 when None), feeds its parent's predicted state
+        features[i] [N, H] and its own token next_ids[i], sits at RoPE position positions[i],
+        writes its K/V at cache slot slots[i] (past its request's `known` true pairs; `known`
+        is one count for all nodes or one per node) and attends to those true pairs and to
+        the tree entries ancestry[i] [N, E] marks (its ancestors' and its own, in slots
+        known .. known + E of its row). Returns the nodes' predicted states [N, H]."""
         c = self.config
+        n = ancestry.shape[0]
+        bases = known if isinstance(known, torch.Tensor) else torch.full((n,), known)
+        rows = batch_rows if batch_rows is not None else torch.zeros(n, dtype=torch.long)
         if self.native is not None and not torch.is_grad_enabled():
             # Node i's logical positions known .. positions[i] are its path's entries, in depth
             # order (entries are numbered depth by depth, so ascending), its own last.
-            n, width = ancestry.shape[0], int(ancestry.sum(1).max())
-            path = torch.full((n, width), known, dtype=torch.long)
+            width = int(ancestry.sum(1).max())
+            path = bases[:, None].repeat(1, width).long()
             for row in range(n):
                 entries = ancestry[row].nonzero()[:, 0]
-                path[row, : len(entries)] = known + entries
+                path[row, : len(entries)] = bases[row] + entries
             return self.native.forward(
                 next_ids.numpy(),
                 features,
                 positions.numpy(),
-                np.zeros(n, dtype=np.int32),
+                rows.numpy().astype(np.int32),
                 kv,
-                np.full(n, known, dtype=np.int32),
+                bases.numpy().astype(np.int32),
                 path.numpy(),
             )
         assert self.embed is not None, "attach_target first"
-        x = self.fc(torch.cat([self.embed[next_ids].float(), features], dim=-1))[None]
-        q, k, v = layer_qkv(self.layer, c, self.rope, x, positions[None])
-        keys, values = kv.keys[0], kv.values[0]
-        keys[0, :, slots] = k[0].to(keys.dtype)
-        values[0, :, slots] = v[0].to(values.dtype)
-        used = known + ancestry.shape[1]
-        mask = torch.cat([ancestry.new_ones((len(slots), known)), ancestry], dim=1)
-        attn = cached_attention(q, keys[:, :, :used], values[:, :, :used], mask[None, None])
-        return rms_norm(layer_out(self.layer, c, x, attn), self.norm, c.rms_norm_eps)[0]
+        out = torch.empty(n, c.hidden_size)
+        for row in rows.unique().tolist():
+            mine = (rows == row).nonzero()[:, 0]
+            base = int(bases[mine[0]])
+            x = self.fc(torch.cat([self.embed[next_ids[mine]].float(), features[mine]], dim=-1))
+            q, k, v = layer_qkv(self.layer, c, self.rope, x[None], positions[mine][None])
+            keys, values = kv.keys[0][row : row + 1], kv.values[0][row : row + 1]
+            keys[0, :, slots[mine]] = k[0].to(keys.dtype)
+            values[0, :, slots[mine]] = v[0].to(values.dtype)
+            own = ancestry[mine]
+            used = base + own.shape[1]
+            mask = torch.cat([own.new_ones((len(mine), base)), own], dim=1)
+            attn = cached_attention(q, keys[:, :, :used], values[:, :, :used], mask[None, None])
+            out[mine] = rms_norm(
+                layer_out(self.layer, c, x[None], attn), self.norm, c.rms_norm_eps
+            )[0]
+        return out
 
     def forward_chained(
         self, features: torch.Tensor, next_ids: torch.Tensor, steps: int

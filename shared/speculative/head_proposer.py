@@ -141,7 +141,6 @@ class HeadDraftProposer:
             return drafts
         reqs = [requests[i] for i in active]
         states = [self._states[r.request_id] for r in reqs]
-        f, kv = self._feed_true_pairs(reqs, states)
         want_q = [sampling[i] for i in active]
         tree_rows = [
             row
@@ -149,8 +148,18 @@ class HeadDraftProposer:
             if trees is not None and trees[i] and self.tree_width > 1 and not want_q[row]
         ]
         chain_rows = [row for row in range(len(reqs)) if row not in set(tree_rows)]
-        for row in tree_rows:
-            drafts[active[row]] = self._tree(states[row], f[row], reqs[row].max_tokens)
+        steps = max(r.max_tokens for r in reqs)
+        # A tree's depth expands at most `tree_width` nodes, each one cache entry.
+        f, kv = self._feed_true_pairs(reqs, states, steps * (self.tree_width if tree_rows else 1))
+        if tree_rows:
+            grown = self._trees(
+                [reqs[r].max_tokens for r in tree_rows],
+                [states[r].known for r in tree_rows],
+                f[tree_rows],
+                kv if len(tree_rows) == len(reqs) else kv.select(torch.tensor(tree_rows)),
+            )
+            for row, draft in zip(tree_rows, grown, strict=True):
+                drafts[active[row]] = draft
         if chain_rows:
             if len(chain_rows) < len(reqs):
                 index = torch.tensor(chain_rows)
@@ -167,18 +176,18 @@ class HeadDraftProposer:
         return drafts
 
     def _feed_true_pairs(
-        self, reqs: list[DraftRequest], states: list[_HeadState]
+        self, reqs: list[DraftRequest], states: list[_HeadState], room: int
     ) -> tuple[torch.Tensor, BatchKV]:
         """Feed each request's true pairs the head has not seen yet (batched); returns the
         predicted state after each request's last one [B, H] and the batch's cache (each
         request's own cache when alone, else a gathered copy, whose true pairs are already
-        written back to every request's cache)."""
+        written back to every request's cache) with `room` slots past every row's true
+        pairs for the guesses."""
         for state in states:
             state.fed = min(state.fed, state.known - 1)  # at least one pair gives the next f
-        steps = max(r.max_tokens for r in reqs)
         width = max(s.known - s.fed for s in states)
         # Padding slots of a short chunk are written too (past its row's end, never attended).
-        capacity = max(s.fed for s in states) + width + steps
+        capacity = max(s.fed for s in states) + width + room
         for state in states:
             state.kv = state.kv.grown(self.head.config, capacity, state.fed)
         starts = [s.fed for s in states]
@@ -260,77 +269,122 @@ class HeadDraftProposer:
             drafts.append(Draft(token_ids=proposed, probs=q_full))
         return drafts
 
-    def _tree(self, state: _HeadState, f_root: torch.Tensor, max_nodes: int) -> Draft:
-        """A greedy row's draft tree of at most `max_nodes` nodes (EAGLE-2's dynamic tree).
+    def _trees(
+        self, budgets: list[int], knowns: list[int], f_roots: torch.Tensor, kv: BatchKV
+    ) -> list[Draft]:
+        """Greedy rows' draft trees, row r of at most `budgets[r]` nodes over batch row r of
+        `kv` (its true pairs in slots < knowns[r]): EAGLE-2's dynamic tree.
 
-        Expansion: depth by depth, the `tree_width` likeliest nodes of the newest depth are
-        stepped through the head together (one call per depth) and each offers its
-        `tree_width` likeliest next tokens as candidates. A node's likelihood is the product
-        of the head's probabilities along its path; candidates below `tree_min_confidence`
-        are never kept. Selection: the `max_nodes` likeliest candidates of *every* depth.
-        Choosing depth by depth instead spent the budget on the first depths' siblings and
-        cut the main path short where the head was sure of it. A child is never likelier
-        than its parent, so the likeliest candidates always include their ancestors, and
-        expansion stops once the newest depth cannot beat the selection it would join."""
-        width = self.tree_width
+        Expansion: depth by depth, the `tree_width` likeliest nodes of each row's newest depth
+        are stepped through the head, every row's together (one call per depth for the
+        whole batch, as chains are), and each offers its `tree_width` likeliest next tokens
+        as candidates. A node's likelihood is the product of the head's probabilities along
+        its path; candidates below `tree_min_confidence` are never kept. Selection: the
+        `budget` likeliest candidates of *every* depth. Choosing depth by depth instead
+        spent the budget on the first depths' siblings and cut the main path short where the
+        head was sure of it. A child is never likelier than its parent, so the likeliest
+        candidates always include their ancestors, and a row stops expanding once its
+        newest depth cannot beat the selection it would join."""
         floor = math.log(self.tree_min_confidence) if self.tree_min_confidence > 0 else -math.inf
-        known = state.known
-        # Each depth expands at most `width` nodes, each one head cache entry.
-        state.kv = state.kv.grown(self.head.config, known + width * max_nodes, known)
-        tokens: list[int] = []  # head vocabulary ids of every candidate
-        parents: list[int] = []
-        score: list[float] = []  # log-likelihood of each candidate's path
-        entry: dict[int, int] = {}  # expanded node -> its cache entry (slot known + entry)
-        predicted: dict[int, torch.Tensor] = {-1: f_root}  # node -> the head's next state
-        frontier = [-1]
-        for depth in range(1, max_nodes + 1):
-            rows = torch.stack([predicted[n] for n in frontier])
-            logp = torch.log_softmax(self.head.logits(rows), dim=-1)
-            top, choice = logp.topk(min(width, logp.shape[-1]), dim=-1)
-            base = torch.tensor([score[n] if n >= 0 else 0.0 for n in frontier])[:, None]
-            total = (base + top).flatten()
-            added: list[int] = []
-            for flat in total.argsort(descending=True).tolist():
-                if float(total[flat]) < floor:
-                    break
-                parents.append(frontier[flat // choice.shape[1]])
-                tokens.append(int(choice.flatten()[flat]))
-                score.append(float(total[flat]))
-                added.append(len(tokens) - 1)
-            frontier = added[:width]
-            if not frontier or depth == max_nodes:
+        rows = [
+            _Growth(b, k, f_roots[r]) for r, (b, k) in enumerate(zip(budgets, knowns, strict=True))
+        ]
+        for depth in range(1, max(budgets) + 1):
+            live = [r for r, g in enumerate(rows) if g.frontier]
+            if not live:
                 break
-            if len(score) >= max_nodes:
-                # The selection's weakest member: a deeper node, no likelier than the best of
-                # this depth, would have to beat it to be proposed.
-                weakest = sorted(score, reverse=True)[max_nodes - 1]
-                if score[frontier[0]] <= weakest:
-                    break
-            for node in frontier:
-                entry[node] = len(entry)
-            ancestry = torch.zeros((len(frontier), len(entry)), dtype=torch.bool)
-            for row, node in enumerate(frontier):
-                walk = node
-                while walk >= 0:
-                    ancestry[row, entry[walk]] = True
-                    walk = parents[walk]
-            out = self.head.forward_nodes(
-                torch.stack([predicted[parents[n]] for n in frontier]),
-                self.vocab_ids[torch.tensor([tokens[n] for n in frontier])],
-                torch.full((len(frontier),), known + depth - 1),
-                torch.tensor([known + entry[n] for n in frontier]),
-                known,
-                ancestry,
-                state.kv,
-            )
-            for row, node in enumerate(frontier):
-                predicted[node] = out[row]
-        if not tokens:
+            states = torch.stack([rows[r].predicted[n] for r in live for n in rows[r].frontier])
+            logp = torch.log_softmax(self.head.logits(states), dim=-1)
+            top, choice = logp.topk(min(self.tree_width, logp.shape[-1]), dim=-1)
+            at = 0
+            for r in live:
+                g = rows[r]
+                m = len(g.frontier)
+                g.offer(top[at : at + m], choice[at : at + m], floor, self.tree_width, depth)
+                at += m
+            stepping = [r for r in live if rows[r].frontier]
+            if stepping:
+                self._step_nodes([rows[r] for r in stepping], stepping, depth, kv)
+        return [g.draft(self.vocab_ids) for g in rows]
+
+    def _step_nodes(
+        self, rows: list[_Growth], batch_rows: list[int], depth: int, kv: BatchKV
+    ) -> None:
+        """One head call for every row's new frontier (the nodes of `depth`)."""
+        for g in rows:
+            for node in g.frontier:
+                g.entry[node] = len(g.entry)
+        width = max(len(g.entry) for g in rows)
+        nodes = [(r, g, node) for r, g in zip(batch_rows, rows, strict=True) for node in g.frontier]
+        ancestry = torch.zeros((len(nodes), width), dtype=torch.bool)
+        for i, (_, g, node) in enumerate(nodes):
+            walk = node
+            while walk >= 0:
+                ancestry[i, g.entry[walk]] = True
+                walk = g.parents[walk]
+        known = torch.tensor([g.known for _, g, _ in nodes])
+        out = self.head.forward_nodes(
+            torch.stack([g.predicted[g.parents[n]] for _, g, n in nodes]),
+            self.vocab_ids[torch.tensor([g.tokens[n] for _, g, n in nodes])],
+            known + depth - 1,
+            torch.tensor([g.known + g.entry[n] for _, g, n in nodes]),
+            known,
+            ancestry,
+            kv,
+            torch.tensor([r for r, _, _ in nodes]),
+        )
+        for i, (_, g, node) in enumerate(nodes):
+            g.predicted[node] = out[i]
+
+
+class _Growth:
+    """One row's tree as it grows (HeadDraftProposer._trees): every candidate so far, with
+    its parent and the log-likelihood of its path; the nodes to expand next; the head's
+    predicted state after each expanded node, and each one's cache entry (slot known + entry)."""
+
+    def __init__(self, budget: int, known: int, f_root: torch.Tensor):
+        self.budget = budget
+        self.known = known
+        self.tokens: list[int] = []  # head vocabulary ids
+        self.parents: list[int] = []
+        self.score: list[float] = []
+        self.entry: dict[int, int] = {}
+        self.predicted: dict[int, torch.Tensor] = {-1: f_root}
+        self.frontier = [-1]
+
+    def offer(
+        self, top: torch.Tensor, choice: torch.Tensor, floor: float, width: int, depth: int
+    ) -> None:
+        """Take the frontier's `width` likeliest next tokens each as candidates (above
+        `floor`), and choose the next frontier: empty once expanding cannot pay."""
+        base = torch.tensor([self.score[n] if n >= 0 else 0.0 for n in self.frontier])[:, None]
+        total = (base + top).flatten()
+        added: list[int] = []
+        for flat in total.argsort(descending=True).tolist():
+            if float(total[flat]) < floor:
+                break
+            self.parents.append(self.frontier[flat // choice.shape[1]])
+            self.tokens.append(int(choice.flatten()[flat]))
+            self.score.append(float(total[flat]))
+            added.append(len(self.tokens) - 1)
+        self.frontier = added[:width]
+        if depth >= self.budget:
+            self.frontier = []
+        elif self.frontier and len(self.score) >= self.budget:
+            # The selection's weakest member: a deeper node, no likelier than the best of
+            # this depth, would have to beat it to be proposed.
+            weakest = sorted(self.score, reverse=True)[self.budget - 1]
+            if self.score[self.frontier[0]] <= weakest:
+                self.frontier = []
+
+    def draft(self, vocab_ids: torch.Tensor) -> Draft:
+        if not self.tokens:
             return Draft([])
         # Likeliest first, ties to the earlier candidate (a parent before its children);
         # then back in creation order, in which every parent precedes its children.
-        chosen = sorted(sorted(range(len(tokens)), key=lambda n: -score[n])[:max_nodes])
+        order = sorted(range(len(self.tokens)), key=lambda n: -self.score[n])
+        chosen = sorted(order[: self.budget])
         index = {node: i for i, node in enumerate(chosen)}
-        kept_parents = tuple(index[parents[n]] if parents[n] >= 0 else -1 for n in chosen)
-        kept = [tokens[n] for n in chosen]
-        return Draft(self.vocab_ids[torch.tensor(kept)].tolist(), None, kept_parents)
+        parents = tuple(index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in chosen)
+        kept = [self.tokens[n] for n in chosen]
+        return Draft(vocab_ids[torch.tensor(kept)].tolist(), None, parents)

@@ -121,19 +121,26 @@ def test_tree_nodes_match_torch(heads):
         torch.testing.assert_close(a, b, **TOL)
 
 
-def _drafts(head: DraftHead, tree_width: int) -> list[list[int]]:
+def _drafts(
+    head: DraftHead, tree_width: int, alone: bool = False, budgets: tuple[int, ...] = (5, 5, 5)
+) -> list[list[int]]:
+    """Three requests' drafts, proposed in one batch (or each `alone`)."""
     proposer = HeadDraftProposer(
         head, torch.arange(512), TINY_CONFIG.vocab_size, tree_width=tree_width
     )
     gen = torch.Generator().manual_seed(8)
     requests = []
-    for row, n in enumerate([12, 30, 7]):
+    for row, (n, budget) in enumerate(zip([12, 30, 7], budgets, strict=True)):
         ids = torch.randint(0, 512, (n + 1,), generator=gen).tolist()
         states = torch.randn(n, TINY_CONFIG.hidden_size, generator=gen)
         proposer.observe_hidden(f"r{row}", 0, states)
-        requests.append(DraftRequest(f"r{row}", ids, 5))
-    trees = [tree_width > 1] * len(requests)
-    drafts = proposer.propose(requests, [False] * len(requests), trees)
+        requests.append(DraftRequest(f"r{row}", ids, budget))
+    groups = [[r] for r in requests] if alone else [requests]
+    drafts = [
+        d
+        for group in groups
+        for d in proposer.propose(group, [False] * len(group), [tree_width > 1] * len(group))
+    ]
     return [d.token_ids + list(d.parents or ()) for d in drafts]
 
 
@@ -143,6 +150,18 @@ def test_a_proposer_drafts_the_same_through_either_path(heads, tree_width):
     drafted = _drafts(native, tree_width)
     assert all(len(d) > 0 for d in drafted)
     assert drafted == _drafts(plain, tree_width)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_batch_of_trees_is_each_rows_tree_alone(heads, path):
+    """Every row's tree grows in the same head calls (one a depth for the batch), over its
+    own cache row: the trees are those each request drafts alone, budgets differing."""
+    head = heads[0] if path == "native" else heads[1]
+    budgets = (3, 7, 5)
+    together = _drafts(head, 3, budgets=budgets)
+    # Full trees (tokens, then parents: a chain would carry none).
+    assert [len(d) for d in together] == [2 * b for b in budgets]
+    assert together == _drafts(head, 3, alone=True, budgets=budgets)
 
 
 @torch.inference_mode()

@@ -52,7 +52,9 @@ class _TableHead(DraftHead):
             features.shape[0], -1, -1
         )
 
-    def forward_nodes(self, features, next_ids, positions, slots, known, ancestry, kv):  # type: ignore[override]
+    def forward_nodes(
+        self, features, next_ids, positions, slots, known, ancestry, kv, batch_rows=None
+    ):  # type: ignore[override]
         return torch.stack([_state_of(int(t)) for t in next_ids])
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

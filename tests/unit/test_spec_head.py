@@ -209,6 +209,30 @@ def test_trees_give_way_to_chains_above_the_batch_cap(tiny_model, plain, head_fi
     assert any(tree for rows, tree in steps if rows == 1)
 
 
+def test_adaptive_drafts_head_trees_above_the_batch_cap(tiny_model, plain, head_file):
+    """The cap is method draft's: adaptive prices each step's k from measured step costs, so
+    it asks the head for trees however many rows decode, and output stays plain decoding's."""
+    prompts, expected = plain
+    head = _head_drafting(tiny_model, head_file, tree_width=3)
+    engine = _engine(tiny_model, "adaptive", head, num_speculative_tokens=5, draft_tree_max_batch=1)
+    pin_step_costs(engine)
+    tracker = engine.speculator.acceptance
+    alpha = tracker.alpha
+    # The controller's choice is not under test: head drafts are priced to win.
+    tracker.alpha = lambda rid, key: 0.9 if key in (MERGED, "draft") else min(0.3, alpha(rid, key))
+    pin_draft_cost(engine)
+    asked: list[tuple[int, bool]] = []  # (rows the head drafts for, any asked for a tree)
+    propose = head.propose
+
+    def spy(requests, sampling, trees=None):
+        asked.append((len(requests), bool(trees) and any(trees)))
+        return propose(requests, sampling, trees)
+
+    head.propose = spy  # type: ignore[method-assign]
+    assert checked_run(engine, prompts[:4], GREEDY) == expected[:4]
+    assert any(rows > 1 and tree for rows, tree in asked)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_adaptive_merges_the_ngram_guess_into_the_heads_tree(tiny_model, plain, head_file, batch):
     """With a draft head drafting trees, adaptive hands a row's n-gram guess to the head's
