@@ -152,11 +152,9 @@ class HeadDraftProposer:
         # A tree's depth expands at most `tree_width` nodes, each one cache entry.
         f, kv = self._feed_true_pairs(reqs, states, steps * (self.tree_width if tree_rows else 1))
         if tree_rows:
+            # Tree rows read their own batch rows of the batch's cache (no copy of it).
             grown = self._trees(
-                [reqs[r].max_tokens for r in tree_rows],
-                [states[r].known for r in tree_rows],
-                f[tree_rows],
-                kv if len(tree_rows) == len(reqs) else kv.select(torch.tensor(tree_rows)),
+                [_Growth(reqs[r].max_tokens, states[r].known, f[r], r) for r in tree_rows], kv
             )
             for row, draft in zip(tree_rows, grown, strict=True):
                 drafts[active[row]] = draft
@@ -269,11 +267,9 @@ class HeadDraftProposer:
             drafts.append(Draft(token_ids=proposed, probs=q_full))
         return drafts
 
-    def _trees(
-        self, budgets: list[int], knowns: list[int], f_roots: torch.Tensor, kv: BatchKV
-    ) -> list[Draft]:
-        """Greedy rows' draft trees, row r of at most `budgets[r]` nodes over batch row r of
-        `kv` (its true pairs in slots < knowns[r]): EAGLE-2's dynamic tree.
+    def _trees(self, rows: list[_Growth], kv: BatchKV) -> list[Draft]:
+        """Greedy rows' draft trees, each of at most its `budget` nodes over its batch row of
+        `kv` (its true pairs in slots < its `known`): EAGLE-2's dynamic tree.
 
         Expansion: depth by depth, the `tree_width` likeliest nodes of each row's newest depth
         are stepped through the head, every row's together (one call per depth for the
@@ -286,10 +282,7 @@ class HeadDraftProposer:
         candidates always include their ancestors, and a row stops expanding once its
         newest depth cannot beat the selection it would join."""
         floor = math.log(self.tree_min_confidence) if self.tree_min_confidence > 0 else -math.inf
-        rows = [
-            _Growth(b, k, f_roots[r]) for r, (b, k) in enumerate(zip(budgets, knowns, strict=True))
-        ]
-        for depth in range(1, max(budgets) + 1):
+        for depth in range(1, max(g.budget for g in rows) + 1):
             live = [r for r, g in enumerate(rows) if g.frontier]
             if not live:
                 break
@@ -302,49 +295,49 @@ class HeadDraftProposer:
                 m = len(g.frontier)
                 g.offer(top[at : at + m], choice[at : at + m], floor, self.tree_width, depth)
                 at += m
-            stepping = [r for r in live if rows[r].frontier]
+            stepping = [rows[r] for r in live if rows[r].frontier]
             if stepping:
-                self._step_nodes([rows[r] for r in stepping], stepping, depth, kv)
+                self._step_nodes(stepping, depth, kv)
         return [g.draft(self.vocab_ids) for g in rows]
 
-    def _step_nodes(
-        self, rows: list[_Growth], batch_rows: list[int], depth: int, kv: BatchKV
-    ) -> None:
+    def _step_nodes(self, rows: list[_Growth], depth: int, kv: BatchKV) -> None:
         """One head call for every row's new frontier (the nodes of `depth`)."""
         for g in rows:
             for node in g.frontier:
                 g.entry[node] = len(g.entry)
         width = max(len(g.entry) for g in rows)
-        nodes = [(r, g, node) for r, g in zip(batch_rows, rows, strict=True) for node in g.frontier]
+        nodes = [(g, node) for g in rows for node in g.frontier]
         ancestry = torch.zeros((len(nodes), width), dtype=torch.bool)
-        for i, (_, g, node) in enumerate(nodes):
+        for i, (g, node) in enumerate(nodes):
             walk = node
             while walk >= 0:
                 ancestry[i, g.entry[walk]] = True
                 walk = g.parents[walk]
-        known = torch.tensor([g.known for _, g, _ in nodes])
+        known = torch.tensor([g.known for g, _ in nodes])
         out = self.head.forward_nodes(
-            torch.stack([g.predicted[g.parents[n]] for _, g, n in nodes]),
-            self.vocab_ids[torch.tensor([g.tokens[n] for _, g, n in nodes])],
+            torch.stack([g.predicted[g.parents[n]] for g, n in nodes]),
+            self.vocab_ids[torch.tensor([g.tokens[n] for g, n in nodes])],
             known + depth - 1,
-            torch.tensor([g.known + g.entry[n] for _, g, n in nodes]),
+            torch.tensor([g.known + g.entry[n] for g, n in nodes]),
             known,
             ancestry,
             kv,
-            torch.tensor([r for r, _, _ in nodes]),
+            torch.tensor([g.batch_row for g, _ in nodes]),
         )
-        for i, (_, g, node) in enumerate(nodes):
+        for i, (g, node) in enumerate(nodes):
             g.predicted[node] = out[i]
 
 
 class _Growth:
     """One row's tree as it grows (HeadDraftProposer._trees): every candidate so far, with
     its parent and the log-likelihood of its path; the nodes to expand next; the head's
-    predicted state after each expanded node, and each one's cache entry (slot known + entry)."""
+    predicted state after each expanded node, and each one's cache entry (slot known + entry
+    of batch row `batch_row` of the head's cache)."""
 
-    def __init__(self, budget: int, known: int, f_root: torch.Tensor):
+    def __init__(self, budget: int, known: int, f_root: torch.Tensor, batch_row: int):
         self.budget = budget
         self.known = known
+        self.batch_row = batch_row
         self.tokens: list[int] = []  # head vocabulary ids
         self.parents: list[int] = []
         self.score: list[float] = []

@@ -122,9 +122,14 @@ def test_tree_nodes_match_torch(heads):
 
 
 def _drafts(
-    head: DraftHead, tree_width: int, alone: bool = False, budgets: tuple[int, ...] = (5, 5, 5)
+    head: DraftHead,
+    tree_width: int,
+    alone: bool = False,
+    budgets: tuple[int, ...] = (5, 5, 5),
+    sampled: tuple[bool, ...] = (False, False, False),
 ) -> list[list[int]]:
-    """Three requests' drafts, proposed in one batch (or each `alone`)."""
+    """Three requests' drafts, proposed in one batch (or each `alone`); a `sampled` row
+    drafts a chain with q whatever the width."""
     proposer = HeadDraftProposer(
         head, torch.arange(512), TINY_CONFIG.vocab_size, tree_width=tree_width
     )
@@ -135,11 +140,14 @@ def _drafts(
         states = torch.randn(n, TINY_CONFIG.hidden_size, generator=gen)
         proposer.observe_hidden(f"r{row}", 0, states)
         requests.append(DraftRequest(f"r{row}", ids, budget))
-    groups = [[r] for r in requests] if alone else [requests]
+    flags = list(zip(requests, sampled, strict=True))
+    groups = [[f] for f in flags] if alone else [flags]
     drafts = [
         d
         for group in groups
-        for d in proposer.propose(group, [False] * len(group), [tree_width > 1] * len(group))
+        for d in proposer.propose(
+            [r for r, _ in group], [q for _, q in group], [tree_width > 1] * len(group)
+        )
     ]
     return [d.token_ids + list(d.parents or ()) for d in drafts]
 
@@ -162,6 +170,10 @@ def test_a_batch_of_trees_is_each_rows_tree_alone(heads, path):
     # Full trees (tokens, then parents: a chain would carry none).
     assert [len(d) for d in together] == [2 * b for b in budgets]
     assert together == _drafts(head, 3, alone=True, budgets=budgets)
+    # Beside a sampled row's chain, the greedy rows' trees are still their own.
+    mixed = _drafts(head, 3, budgets=budgets, sampled=(False, True, False))
+    assert len(mixed[1]) == budgets[1]  # a chain: tokens only
+    assert [mixed[0], mixed[2]] == [together[0], together[2]]
 
 
 @torch.inference_mode()
