@@ -38,6 +38,11 @@ from shared.tokenizer import Tokenizer
 BENCH_HEADS = Path("~/.cache/splitserve/bench")
 BATCHES = (1, 8)
 PROMPTS_FILE = "spec_prompts.json"
+# Timed passes over a set that is one batch (chat and grounded at b8: 8 prompts each). Two
+# passes left a b8 speedup +-0.15 from run to run (chat adaptive b8 1.29-1.68x over ten runs
+# of the same head, sessions 21-22: each pass lasts ~5 s, and the adaptive controller prices
+# k from step times the machine's drift moves); four halve that spread's variance.
+SINGLE_GROUP_ROUNDS = 4
 
 
 def load_prompt_sets(
@@ -114,10 +119,11 @@ def interleaved_runs(
 ) -> dict[str, tuple[list[list[int]], int, float]]:
     """Per method: outputs, and decode tokens and seconds summed over its runs. The methods
     take turns on each group of `batch` prompts (the order reversed every other group), and
-    a set that is a single group is run twice: this VM's speed drifts by 20-30% over tens
-    of seconds, which method-after-method timing turned into differences between methods."""
+    a set that is a single group is run SINGLE_GROUP_ROUNDS times: this VM's speed drifts
+    by 20-30% over tens of seconds, which method-after-method timing turned into
+    differences between methods."""
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    rounds = 2 if len(groups) == 1 else 1
+    rounds = SINGLE_GROUP_ROUNDS if len(groups) == 1 else 1
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
     tokens = dict.fromkeys(engines, 0)
     seconds = dict.fromkeys(engines, 0.0)
