@@ -41,7 +41,8 @@ PROMPTS_FILE = "spec_prompts.json"
 # Timed passes over a set that is one batch (chat and grounded at b8: 8 prompts each). Two
 # passes left a b8 speedup +-0.15 from run to run (chat adaptive b8 1.29-1.68x over ten runs
 # of the same head, sessions 21-22: each pass lasts ~5 s, and the adaptive controller prices
-# k from step times the machine's drift moves); four halve that spread's variance.
+# k from step times the machine's drift moves). Four average twice the passes; with four,
+# session 23's two full runs read 1.37x and 1.25x, so the spread is not gone.
 SINGLE_GROUP_ROUNDS = 4
 
 
