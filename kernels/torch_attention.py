@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels.attention_kernel import AttentionKernel, write_kv
 from kernels.attention_metadata import AttentionMetadata, tree_depths, tree_visibility
+from kernels.serial_ops import serial_ops
 
 # Sequences with at most this many new tokens share the padded batch.
 BATCHED_MAX_QUERY = 16
@@ -121,7 +122,8 @@ class TorchPagedAttention(AttentionKernel):
     def forward(self, q, k, v, key_cache, value_cache, meta, scale, window=None):
         if "torch" not in meta.kernel_state:
             self.prepare(meta)
-        write_kv(k, v, key_cache, value_cache, meta)
+        with serial_ops():  # see serial_ops.py: a few rows' KV, threads asleep
+            write_kv(k, v, key_cache, value_cache, meta)
         state = meta.kernel_state["torch"]
         if window is not None:
             state = self._window_state(state, window, meta.device)
@@ -273,7 +275,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     bsz, n_blocks = block_table.shape
     _, block_size, kv_heads, head_dim = cache.shape
     # index_select, not advanced indexing: on the strided block-major view it is ~5x faster
-    # (a row-copy path instead of per-element index arithmetic; measured 13 vs 67 us).
+    # (a row-copy path instead of per-element index arithmetic; measured 13 vs 67 us). Both
+    # threads: one alone lost 3-4% of an eight-sequence step's tokens/s (kernels/serial_ops.py).
     gathered = cache.index_select(0, block_table.reshape(-1))
     gathered = gathered.view(bsz, n_blocks * block_size, kv_heads, head_dim)
     return gathered[:, :length].transpose(1, 2).to(torch.float32)

@@ -18,6 +18,7 @@ import torch
 from kernels.attention_kernel import AttentionKernel
 from kernels.attention_metadata import AttentionMetadata
 from kernels.moe_experts import activate
+from kernels.serial_ops import serial_ops
 from kernels.torch_attention import TorchPagedAttention
 from shared.kvcache.pool import KVLayout, KVPool
 from shared.model.embedding import TokenEmbedding
@@ -232,40 +233,47 @@ class LlamaModel:
         apply = linear or _call
         for index, layer in enumerate(layers):
             window = cfg.window(index)
-            h = rms_norm(x, layer.input_norm, eps)
+            with serial_ops():  # see kernels/serial_ops.py: small ops, sleeping threads
+                h = rms_norm(x, layer.input_norm, eps)
             qkv = apply(layer.qkv, h)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qk = torch.cat(
-                    [
-                        rms_norm(qk[:, :hq], layer.q_norm, eps),
-                        rms_norm(qk[:, hq:], layer.k_norm, eps),
-                    ],
-                    dim=1,
-                )
-            # Q and K heads rotate together: one RoPE application per layer, not two.
-            c, s = local if local is not None and window is not None else (cos, sin)
-            qk = RotaryEmbedding.apply(qk, c, s)
+            with serial_ops():
+                if layer.qkv_bias is not None:
+                    qkv = qkv + layer.qkv_bias
+                qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    qk = torch.cat(
+                        [
+                            rms_norm(qk[:, :hq], layer.q_norm, eps),
+                            rms_norm(qk[:, hq:], layer.k_norm, eps),
+                        ],
+                        dim=1,
+                    )
+                # Q and K heads rotate together: one RoPE application per layer, not two.
+                c, s = local if local is not None and window is not None else (cos, sin)
+                qk = RotaryEmbedding.apply(qk, c, s)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
             attn = attend(q, k, v, index, window).reshape(n, hq * d)
             out = apply(layer.o_proj, attn)
-            if layer.attn_out_norm is not None:
-                out = rms_norm(out, layer.attn_out_norm, eps)
-            x = x + out
-            h = rms_norm(x, layer.post_attention_norm, eps)
+            with serial_ops():
+                if layer.attn_out_norm is not None:
+                    out = rms_norm(out, layer.attn_out_norm, eps)
+                x = x + out
+                h = rms_norm(x, layer.post_attention_norm, eps)
             if layer.sparse is not None:
                 out = apply(layer.sparse, h)
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 gu = apply(layer.gate_up, h)
-                out = apply(layer.down, activate(gu[:, :inter], cfg.activation) * gu[:, inter:])
-            if layer.mlp_out_norm is not None:
-                out = rms_norm(out, layer.mlp_out_norm, eps)
-            x = x + out
-        return rms_norm(x, self.norm, eps)
+                with serial_ops():
+                    act = activate(gu[:, :inter], cfg.activation) * gu[:, inter:]
+                out = apply(layer.down, act)
+            with serial_ops():
+                if layer.mlp_out_norm is not None:
+                    out = rms_norm(out, layer.mlp_out_norm, eps)
+                x = x + out
+        with serial_ops():
+            return rms_norm(x, self.norm, eps)
 
     def forward_path(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool, decode: bool
