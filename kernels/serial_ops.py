@@ -7,9 +7,10 @@ than the op. A verify step of a batch crosses the grain size in every layer: RoP
 48 rows x 12 heads x 64, the MLP's activation over 24 rows x 1,536, RMSNorm over 64 rows x 576.
 Measured on a 2-core AVX-512 EPYC (2 threads, each op timed after 300 us of other work, as in
 a step): RoPE at 48 rows 242 us on two threads against 39 on one, the activation at 48 rows
-189 against 56, RMSNorm at 64 rows 265 against 32, a 24-row KV write into the fp16 cache
-65 against 10 us. Summed over 30 layers that was 15-30 ms of a 150-220 ms eight-sequence
-verify step. Attention itself keeps both threads (SDPA over 8 x 27 queries: 1.4 against
+189 against 56, RMSNorm at 64 rows 265 against 32, a 24-row KV write 59 against 8 us into
+an fp32 cache (65 against 10 into fp16). In the engine's eight-sequence verify steps, summed
+over 30 layers: RoPE 8.5 -> 3.4 ms a 48-row step, RMSNorm 17 -> 5 ms a 64-row step (of
+150-220 ms). Attention itself keeps both threads (SDPA over 8 x 27 queries: 1.4 against
 2.2 ms on one), and so does the gather of K/V out of the paged cache: alone it was faster on
 one thread (158 against 214-275 us for eight 600-token sequences), but in the engine, bench
 spec's chat set at batch 8 in one process, it lost 3% of plain and 4% of adaptive tokens/s
