@@ -463,8 +463,8 @@ class Engine:
     def _settle_verified(self, item: ScheduledSeq, done: Verified) -> None:
         """Keep the KV of the last token and the accepted drafts; roll back the rest."""
         seq, accepted = item.seq, done.num_accepted
-        self.speculator.record(seq, accepted)
         kept = done.token_ids[:accepted]
+        self.speculator.record(seq, accepted, kept)
         seq.num_computed_tokens += 1 + accepted
         assert seq.table is not None
         # Blocks past the kept tokens go back; rejected tokens were never committed (hashed).

@@ -15,7 +15,7 @@ import torch
 from services.commands import draft_cmd
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
-from shared.engine.speculator import MERGED
+from shared.engine.speculator import MERGED, PRIOR_RIDE_GAIN, RIDE
 from shared.model.llama import LlamaModel
 from shared.model.loader import read_checkpoint
 from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
@@ -275,6 +275,49 @@ def test_adaptive_merges_the_ngram_guess_into_the_heads_tree(tiny_model, plain, 
     assert got == expected
     assert seen and merged
     assert MERGED in tracker._global  # priced apart from lone head drafts
+
+
+def _riding_engine(tiny_model, head_file, step_cost):
+    head = _head_drafting(tiny_model, head_file, 3)
+    engine = _engine(tiny_model, "adaptive", head, num_speculative_tokens=6)
+    engine.speculator.set_calibration(lambda: {n: step_cost(n) for n in range(1, 257)})
+    engine.speculator.observe_step = lambda num_tokens, seconds: None
+    # The head-against-n-gram choice is not under test: head drafts lose it, so rows draft
+    # n-gram guesses (or nothing) and only a ride-along brings the head's nodes in.
+    tracker = engine.speculator.acceptance
+    alpha = tracker.alpha
+    tracker.alpha = lambda rid, key: 0.05 if key in (MERGED, "draft") else alpha(rid, key)
+    pin_draft_cost(engine)
+    return engine
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cheap_rows_take_the_heads_nodes_along(tiny_model, plain, head_file, batch):
+    """Where a verify row costs next to nothing beside a step, a row's n-gram draft (or a
+    row without one) takes the head's two likeliest nodes along as a second branch; output
+    stays plain decoding's, and what the nodes added is measured."""
+    prompts, expected = plain
+    engine = _riding_engine(tiny_model, head_file, lambda n: 0.01)
+    seen = verified_drafts(engine)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got += checked_run(engine, prompts[i : i + batch], GREEDY)
+    assert got == expected
+    speculator = engine.speculator
+    assert RIDE in speculator.acceptance._global  # ride-alongs were verified
+    assert any(draft.is_tree for _, draft in seen)
+    assert speculator._ride_gain != PRIOR_RIDE_GAIN  # measured, not the prior
+    # The chains that rode along kept their n-gram estimates measured.
+    assert any(key.startswith("ngram:") for key in speculator.acceptance._global)
+
+
+def test_dear_rows_leave_the_head_out(tiny_model, plain, head_file):
+    """Where every verify row costs as much as a plain step, the head's nodes are not worth
+    their rows: no row rides along."""
+    prompts, expected = plain
+    engine = _riding_engine(tiny_model, head_file, lambda n: 0.01 * n)
+    assert checked_run(engine, prompts[:4], GREEDY) == expected[:4]
+    assert RIDE not in engine.speculator.acceptance._global
 
 
 @pytest.mark.parametrize("tree_width", [1, 3], ids=["chain", "tree"])
