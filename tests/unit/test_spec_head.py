@@ -297,7 +297,8 @@ def test_cheap_rows_take_the_heads_nodes_along(tiny_model, plain, head_file, bat
     row without one) takes the head's two likeliest nodes along as a second branch; output
     stays plain decoding's, and what the nodes added is measured."""
     prompts, expected = plain
-    engine = _riding_engine(tiny_model, head_file, lambda n: 0.01)
+    # A step priced at a second: the head's call (measured, milliseconds) never decides.
+    engine = _riding_engine(tiny_model, head_file, lambda n: 1.0)
     seen = verified_drafts(engine)
     got = []
     for i in range(0, len(prompts), batch):
@@ -315,7 +316,7 @@ def test_dear_rows_leave_the_head_out(tiny_model, plain, head_file):
     """Where every verify row costs as much as a plain step, the head's nodes are not worth
     their rows: no row rides along."""
     prompts, expected = plain
-    engine = _riding_engine(tiny_model, head_file, lambda n: 0.01 * n)
+    engine = _riding_engine(tiny_model, head_file, lambda n: 1.0 * n)
     assert checked_run(engine, prompts[:4], GREEDY) == expected[:4]
     assert RIDE not in engine.speculator.acceptance._global
 
