@@ -122,7 +122,7 @@ class TorchPagedAttention(AttentionKernel):
     def forward(self, q, k, v, key_cache, value_cache, meta, scale, window=None):
         if "torch" not in meta.kernel_state:
             self.prepare(meta)
-        with serial_ops():  # see serial_ops.py: a few rows' KV, threads asleep
+        with serial_ops(k.shape[0]):  # see serial_ops.py: a few rows' KV, threads asleep
             write_kv(k, v, key_cache, value_cache, meta)
         state = meta.kernel_state["torch"]
         if window is not None:

@@ -51,6 +51,7 @@ RIDE = "ride-along"  # the acceptance key of ride-alongs (read by nothing: see _
 # n-gram matched.
 PRIOR_RIDE_GAIN = 0.5
 RIDE_EWMA = 0.1
+PRIOR_RIDE_COST = RIDE_ALONG_NODES * PRIOR_DRAFT_COST  # a ride-along's head call, unmeasured
 
 
 @dataclass
@@ -304,7 +305,7 @@ class Speculator:
         plain_token_seconds = self.cost.cost(rows) / rows
         full = rows * (self.max_k + 1)
         row_seconds = (self.cost.cost(full) - self.cost.cost(rows)) / max(1, full - rows)
-        head_call = self._ride_cost if self._ride_cost is not None else PRIOR_DRAFT_COST * 2
+        head_call = self._ride_cost if self._ride_cost is not None else PRIOR_RIDE_COST
         head_paid = any(c.method == "draft" and c.k > 0 for c in choices)
         for choice, candidate, (seq, limit) in zip(choices, candidates, decoding, strict=True):
             if choice.method != "ngram" or not self._merges(seq):
@@ -359,7 +360,7 @@ class Speculator:
         if depth <= RIDE_ALONG_NODES:
             # From the prior, not from the first such call alone: the head then takes in
             # every token since its last call, which steady ride-alongs do not.
-            old = self._ride_cost if self._ride_cost is not None else PRIOR_DRAFT_COST * 2
+            old = self._ride_cost if self._ride_cost is not None else PRIOR_RIDE_COST
             self._ride_cost = 0.8 * old + 0.2 * seconds
         for choice, draft in zip(choices, drafts, strict=True):
             if len(draft) > choice.k:  # a proposer must not exceed max_tokens; trust but trim

@@ -233,10 +233,10 @@ class LlamaModel:
         apply = linear or _call
         for index, layer in enumerate(layers):
             window = cfg.window(index)
-            with serial_ops():  # see kernels/serial_ops.py: small ops, sleeping threads
+            with serial_ops(n):  # see kernels/serial_ops.py: small ops, sleeping threads
                 h = rms_norm(x, layer.input_norm, eps)
             qkv = apply(layer.qkv, h)
-            with serial_ops():
+            with serial_ops(n):
                 if layer.qkv_bias is not None:
                     qkv = qkv + layer.qkv_bias
                 qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
@@ -255,7 +255,7 @@ class LlamaModel:
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
             attn = attend(q, k, v, index, window).reshape(n, hq * d)
             out = apply(layer.o_proj, attn)
-            with serial_ops():
+            with serial_ops(n):
                 if layer.attn_out_norm is not None:
                     out = rms_norm(out, layer.attn_out_norm, eps)
                 x = x + out
@@ -265,14 +265,14 @@ class LlamaModel:
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 gu = apply(layer.gate_up, h)
-                with serial_ops():
+                with serial_ops(n):
                     act = activate(gu[:, :inter], cfg.activation) * gu[:, inter:]
                 out = apply(layer.down, act)
-            with serial_ops():
+            with serial_ops(n):
                 if layer.mlp_out_norm is not None:
                     out = rms_norm(out, layer.mlp_out_norm, eps)
                 x = x + out
-        with serial_ops():
+        with serial_ops(n):
             return rms_norm(x, self.norm, eps)
 
     def forward_path(

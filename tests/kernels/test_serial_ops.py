@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.moe_experts import activate
-from kernels.serial_ops import serial_ops
+from kernels.serial_ops import SERIAL_MAX_ROWS, serial_ops
 from shared.model.layers import rms_norm
 from shared.model.rope import RotaryEmbedding
 
@@ -21,19 +21,26 @@ def two_threads():
 
 
 def test_one_thread_inside_and_the_count_restored(two_threads):
-    with serial_ops():
+    with serial_ops(SERIAL_MAX_ROWS):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 2
-    with pytest.raises(RuntimeError), serial_ops():
+    with pytest.raises(RuntimeError), serial_ops(8):
         raise RuntimeError("a failing op")
     assert torch.get_num_threads() == 2
+
+
+def test_a_prefill_chunk_keeps_both_threads(two_threads):
+    # Past SERIAL_MAX_ROWS the second thread pays for its wake-up (512 rows: 6.8 against
+    # 8.9 ms a layer on one).
+    with serial_ops(SERIAL_MAX_ROWS + 1):
+        assert torch.get_num_threads() == 2
 
 
 def test_already_one_thread_stays_one():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with serial_ops():
+        with serial_ops(8):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 1
     finally:
@@ -59,7 +66,7 @@ def test_decoder_ops_same_bits_on_one_thread(two_threads, rows):
         )
 
     spread = ops()
-    with serial_ops():
+    with serial_ops(rows):
         alone = ops()
     for a, b in zip(spread, alone, strict=True):
         assert torch.equal(a, b)
