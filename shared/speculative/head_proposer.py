@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.speculative.draft_model import BatchKV, gather_kv, scatter_kv
@@ -190,21 +191,23 @@ class HeadDraftProposer:
             state.kv = state.kv.grown(self.head.config, capacity, state.fed)
         starts = [s.fed for s in states]
         c = self.head.config
-        features = torch.zeros(len(reqs), width, c.hidden_size)
-        next_ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        lens = []
-        for row, (req, state) in enumerate(zip(reqs, states, strict=True)):
-            n = state.known - state.fed
-            features[row, :n] = state.features[state.fed : state.known]
-            first = state.origin + state.fed + 1
-            next_ids[row, :n] = torch.tensor(req.token_ids[first : first + n])
-            lens.append(n)
+        lens = [s.known - s.fed for s in states]
         kv = (
             states[0].kv
             if len(states) == 1
             else gather_kv(c, [s.kv for s in states], starts, capacity)
         )
-        out = self.head(features, next_ids, torch.tensor(starts), kv)
+        if self.head.native is not None:
+            last = self._feed_ragged(reqs, states, lens, kv)
+        else:
+            features = torch.zeros(len(reqs), width, c.hidden_size)
+            next_ids = torch.zeros(len(reqs), width, dtype=torch.long)
+            for row, (req, state, n) in enumerate(zip(reqs, states, lens, strict=True)):
+                features[row, :n] = state.features[state.fed : state.known]
+                first = state.origin + state.fed + 1
+                next_ids[row, :n] = torch.tensor(req.token_ids[first : first + n])
+            out = self.head(features, next_ids, torch.tensor(starts), kv)
+            last = out[torch.arange(len(reqs)), torch.tensor(lens) - 1]
         for state in states:
             state.fed = state.known
         if len(states) > 1:
@@ -213,7 +216,32 @@ class HeadDraftProposer:
                 [s.kv for s in states],
                 [(a, s.known) for a, s in zip(starts, states, strict=True)],
             )
-        return out[torch.arange(len(reqs)), torch.tensor(lens) - 1], kv
+        return last, kv
+
+    def _feed_ragged(
+        self, reqs: list[DraftRequest], states: list[_HeadState], lens: list[int], kv: BatchKV
+    ) -> torch.Tensor:
+        """The native step over exactly the new pairs, each request's after the other's (its
+        rows say their batch row and slot): a request that catches up on a whole prompt no
+        longer pads every other request's few new pairs to its width (at `bench spec`'s chat
+        b8, 3,275 head rows were computed for 2,249 pairs). Returns each request's last
+        predicted state [B, H]."""
+        assert self.head.native is not None
+        total = sum(lens)
+        features = torch.empty(total, self.head.config.hidden_size)
+        next_ids = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int32)
+        rows = np.empty(total, dtype=np.int32)
+        at = 0
+        for row, (req, state, n) in enumerate(zip(reqs, states, lens, strict=True)):
+            features[at : at + n] = state.features[state.fed : state.known]
+            first = state.origin + state.fed + 1
+            next_ids[at : at + n] = req.token_ids[first : first + n]
+            slots[at : at + n] = np.arange(state.fed, state.known, dtype=np.int32)
+            rows[at : at + n] = row
+            at += n
+        out = self.head.native.forward(next_ids, features, slots, rows, kv)
+        return out[torch.from_numpy(np.cumsum(lens) - 1)]
 
     def _chains(
         self,

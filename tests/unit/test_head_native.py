@@ -1,8 +1,9 @@
 """The draft head's step in the native library (head_native.py) against its torch path, on
-the tiny model: with fp32 weights, true pairs fed in a padded batch, chained guesses and tree
-nodes give the same states and write the same K/V to float rounding, and a proposer drafts the
-same chains and trees through either path; with Q8_0 weights (the served default) the states
-stay within the blocks' rounding and the drafts mostly agree."""
+the tiny model: with fp32 weights, true pairs fed in a batch (padded through torch, ragged
+through the library), chained guesses and tree nodes give the same states and write the same
+K/V to float rounding, and a proposer drafts the same chains and trees through either path;
+with Q8_0 weights (the served default) the states stay within the blocks' rounding and the
+drafts mostly agree."""
 
 from __future__ import annotations
 
@@ -158,6 +159,24 @@ def test_a_proposer_drafts_the_same_through_either_path(heads, tree_width):
     drafted = _drafts(native, tree_width)
     assert all(len(d) > 0 for d in drafted)
     assert drafted == _drafts(plain, tree_width)
+
+
+def test_a_batch_feeds_each_request_only_its_new_pairs(heads, monkeypatch):
+    """Requests catching up on 12, 30 and 7 pairs cost the native step 49 rows, not three
+    padded to 30 (90); their drafts are still what each drafts alone."""
+    native = heads[0]
+    calls: list[int] = []
+    layer = type(native.native)  # the proposer serves the head anew: patch its class
+    forward = layer.forward
+
+    def counted(self, token_ids, features, *args, **kwargs):
+        calls.append(int(features.shape[0]))
+        return forward(self, token_ids, features, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", counted)
+    together = _drafts(native, 1)
+    assert calls[0] == 12 + 30 + 7
+    assert together == _drafts(native, 1, alone=True)
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
