@@ -185,7 +185,8 @@ class HeadDraftProposer:
         for state in states:
             state.fed = min(state.fed, state.known - 1)  # at least one pair gives the next f
         width = max(s.known - s.fed for s in states)
-        # Padding slots of a short chunk are written too (past its row's end, never attended).
+        # The torch path pads a short chunk and writes its padding slots too (past its row's
+        # end, never attended); the native path feeds exactly the new pairs.
         capacity = max(s.fed for s in states) + width + room
         for state in states:
             state.kv = state.kv.grown(self.head.config, capacity, state.fed)
