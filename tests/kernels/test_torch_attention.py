@@ -79,3 +79,31 @@ def test_other_steps_are_not_dense(query_lens, contexts):
     case = make_case(query_lens, contexts, head_dim=64, group=3, block_size=16, seed=5)
     _, _, taken = _run(case, dense=True)
     assert not taken
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "contexts"),
+    [
+        ([9, 3, 1, 5], [120, 100, 90, 130]),  # a batch's verify step: padded to 9 queries
+        ([1, 1, 1], [30, 41, 17]),  # decode rows of unequal contexts: masked keys
+        ([4, 20], [30, 40]),  # a prefill chunk beside a verify
+    ],
+)
+def test_padded_and_masked_steps_match_the_reference_with_one_mask_a_step(query_lens, contexts):
+    case = make_case(query_lens, contexts, head_dim=64, group=3, block_size=16, seed=6)
+    pool = case.pool.clone()
+    kernel = TorchPagedAttention()
+    meta = case.metadata()
+    keys, values = pool[:, 1, 0], pool[:, 1, 1]
+    out = kernel.forward(case.q, case.k_new, case.v_new, keys, values, meta, SCALE)
+    masks = [g.sdpa_mask for g in meta.kernel_state["torch"]["groups"]]
+    assert all(m is not None and m.dtype == case.q.dtype for m in masks)
+    # A second layer of the same step reuses the additive mask SDPA reads, not a new one.
+    again = kernel.forward(case.q, case.k_new, case.v_new, keys, values, meta, SCALE)
+    groups = meta.kernel_state["torch"]["groups"]
+    assert all(g.sdpa_mask is m for g, m in zip(groups, masks, strict=True))
+    assert torch.equal(out, again)
+    expected = reference_paged_attention(
+        case.q, keys, values, case.query_lens, case.context_lens, case.block_tables, SCALE
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
