@@ -111,6 +111,17 @@ def declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
+    lib.ss_greedy_pick.argtypes = [
+        ctypes.POINTER(Linear),  # the exact head (Q8_0)
+        ctypes.c_void_p,  # approximate logits, fp32 [rows, vocab]
+        ctypes.c_void_p,  # the rows' inputs, fp32 [rows, hidden]
+        ctypes.c_int,
+        ctypes.c_void_p,  # the bound's weight side, fp32 [vocab, blocks]
+        ctypes.c_void_p,  # its largest per block, fp32 [blocks]
+        ctypes.c_float,
+        ctypes.c_void_p,  # out: int64 [rows]
+    ]
+    lib.ss_greedy_pick.restype = ctypes.c_int
     lib.ss_simd.argtypes = []
     lib.ss_simd.restype = ctypes.c_int
     for name in ("ss_a8_tiles", "ss_a8_q8_tiles"):

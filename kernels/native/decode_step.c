@@ -666,7 +666,10 @@ static void linear_q4_1(const ss_linear *w, const float *x, const float *xsum, i
 
 #define Q8_0_AHEAD 6 /* outputs ahead to prefetch: ~3.7 KB of a 576-wide matrix */
 
-static void linear_q8_0(const ss_linear *w, const float *x, int rows, float *y, int o0, int o1) {
+/* Not inlined: ss_greedy_pick calls it for single outputs and must get the bits a whole head
+ * gets (the same instructions, whichever caller). */
+__attribute__((noinline)) static void linear_q8_0(const ss_linear *w, const float *x, int rows, float *y, int o0,
+                                                  int o1) {
   int in = w->in_features, out = w->out_features, nb = in / QK;
   const int8_t *quants = (const int8_t *)w->data;
   /* Eight rows share each pass over the weights: at batch 8 the head (49,152 x 576 Q8_0,
@@ -1503,6 +1506,82 @@ int ss_linear_forward(const ss_linear *w, const float *x, int rows, float *y, in
  * (linear_f32_streamed). Same bits as ss_linear_forward: only the order of outputs differs. */
 int ss_linear_forward_streamed(const ss_linear *w, const float *x, int rows, float *y, int nth) {
   return linear_forward(w, x, rows, y, nth, 1);
+}
+
+/* Output o's bound on |exact - approximate| for a row with block steps `step` (see below). */
+static inline float greedy_bound(const float *step, const float *weight_side, int o, int nb, float factor) {
+  const float *w = weight_side + (size_t)o * nb;
+  float total = 0.f;
+  for (int b = 0; b < nb; b++) total += step[b] * w[b];
+  return factor * total;
+}
+
+/* The first o' >= o with y[o'] >= floor, or n: a compare per 16 outputs, since nearly every
+ * approximate logit lies far below its row's maximum. */
+static inline int next_at_least(const float *y, int n, float floor, int o) {
+#if SS_AVX512
+  for (__m512 f = _mm512_set1_ps(floor); o + 16 <= n; o += 16) {
+    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(y + o), f, _CMP_GE_OQ);
+    if (m) return o + __builtin_ctz(m);
+  }
+#endif
+  for (; o < n; o++)
+    if (y[o] >= floor) return o;
+  return n;
+}
+
+/* Each row's greedy token under the Q8_0 head `exact`, without its full logits
+ * (shared/model/greedy_head.py has the why and the bound): `approx` holds every output's
+ * logit from the same weights with int8 activations, within factor * sum_b step[b] *
+ * weight_side[o, b] of the exact one, where step[b] = max|x_b| / 127. An output can be the
+ * argmax only if its approximate logit is within twice the widest bound (`widest`, per
+ * block) of the row's largest, and only if its own upper bound reaches the largest lower
+ * bound among those; the few that pass are computed by linear_q8_0 itself, one output at a
+ * time (the same function as the full head: the same bits), and the first maximum by
+ * output wins, as torch.argmax's does. Returns -1, writing nothing, where a row's values are
+ * not finite (no bound holds there): the caller then takes the full logits. */
+int ss_greedy_pick(const ss_linear *exact, const float *approx, const float *x, int rows,
+                   const float *weight_side, const float *widest, float factor, int64_t *out) {
+  if (exact->kind != SS_Q8_0) return -2;
+  int in = exact->in_features, vocab = exact->out_features, nb = in / QK;
+  float step[256];
+  if (nb > 256) return -2;
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (size_t)r * in, *y = approx + (size_t)r * vocab;
+    float slack = 0.f;
+    for (int b = 0; b < nb; b++) {
+      float amax = 0.f;
+      for (int j = 0; j < QK; j++) amax = fabsf(xr[b * QK + j]) > amax ? fabsf(xr[b * QK + j]) : amax;
+      step[b] = amax / 127.f;
+      slack += step[b] * widest[b];
+    }
+    slack *= 2.f * factor;
+    float top = max_of(y, vocab);
+    if (!isfinite(top) || !isfinite(slack)) return -1;
+    float near = top - slack, floor = -INFINITY;
+    for (int o = next_at_least(y, vocab, near, 0); o < vocab; o = next_at_least(y, vocab, near, o + 1)) {
+      float low = y[o] - greedy_bound(step, weight_side, o, nb, factor);
+      floor = low > floor ? low : floor;
+    }
+    float best = -INFINITY;
+    int64_t pick = -1;
+    for (int o = next_at_least(y, vocab, near, 0); o < vocab; o = next_at_least(y, vocab, near, o + 1)) {
+      if (y[o] + greedy_bound(step, weight_side, o, nb, factor) < floor) continue;
+      ss_linear one = *exact;
+      one.out_features = 1;
+      one.data = (const int8_t *)exact->data + (size_t)o * nb * Q8_0_QBYTES;
+      one.scales = exact->scales + (size_t)o * nb;
+      float value;
+      linear_q8_0(&one, xr, 1, &value, 0, 1);
+      if (pick < 0 || value > best) { /* strictly greater: the first maximum stays */
+        best = value;
+        pick = o;
+      }
+    }
+    if (pick < 0 || !isfinite(best)) return -1;
+    out[r] = pick;
+  }
+  return 0;
 }
 
 int ss_simd(void) { return SS_AVX2; }

@@ -16,7 +16,7 @@ from shared.sampling.logprob import TokenLogprob
 from shared.sampling.sampler import SampleOutput, Sampler
 from shared.sampling.token_mask import TokenMask
 from shared.speculative.proposer import Draft
-from shared.speculative.verify import Verified, VerifyInput, verify
+from shared.speculative.verify import Verified, VerifyInput, verify, verify_greedy
 
 
 @dataclass
@@ -84,6 +84,8 @@ class ModelRunner:
         if sampled and any(s.num_draft for s in sampled):
             kinds = [i in decode_rows for i in sampled_index]
             verified, verified_logprobs = self._verify(sampled, hidden, rows, kinds, mask)
+        elif sampled and (tokens := self._greedy(sampled, hidden, rows, mask)) is not None:
+            samples = SampleOutput(token_ids=tokens, logprobs=None, top_logprobs=None)
         elif sampled:
             logits = self._logits(hidden, rows, [i in decode_rows for i in sampled_index])
             batch = SamplingBatch.build(
@@ -177,6 +179,22 @@ class ModelRunner:
                 ).float()
         return out
 
+    def _greedy(
+        self,
+        sampled: list[ScheduledSeq],
+        hidden: torch.Tensor,
+        rows: list[int],
+        mask: TokenMask | None,
+    ) -> torch.Tensor | None:
+        """The tokens of `rows` where every one is a decode row that reads nothing but the
+        argmax (LlamaModel.greedy_tokens: the same tokens, without the full logits); None
+        where any row needs its logits."""
+        if mask is not None or not all(
+            s.seq.params.argmax_only and self._is_decode(s) for s in sampled
+        ):
+            return None
+        return self.model.greedy_tokens(hidden[rows], decode=True)
+
     def _verify(
         self,
         sampled: list[ScheduledSeq],
@@ -206,6 +224,10 @@ class ModelRunner:
                     draft if draft is not None else Draft([]),
                 )
             )
+        if not logprob_rows:
+            targets = self._greedy(sampled, hidden, rows, mask)
+            if targets is not None:
+                return verify_greedy(items, targets.tolist()), {}
         logits = self._logits(hidden, rows, row_kinds)
         shared = self.sampler.shared_generator(self.device)
         verified = verify(logits, items, self.sampler, shared, mask)

@@ -183,6 +183,8 @@ class LlamaModel:
             out[f"torch {fmt}"] = sum(m.nbytes_held for m in matrices)  # type: ignore[union-attr]
         if self.native is not None:
             out[f"native ({self.native.activations} activations)"] = self.native.nbytes.weights
+            if self.native.nbytes.greedy_twin:
+                out["native head int8 twin (greedy rows)"] = self.native.nbytes.greedy_twin
         return out
 
     def torch_path(self, decode: bool) -> str | None:
@@ -322,6 +324,14 @@ class LlamaModel:
         logits = head(hidden)
         cap = self.config.final_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def greedy_tokens(self, hidden: torch.Tensor, decode: bool = False) -> torch.Tensor | None:
+        """The argmax of `logits(hidden, decode)` per row, found without the full logits where
+        the path's head allows (the native head's int8 twin); None: take the logits."""
+        fmt = self.decode_weights if decode else self.weights
+        if self.native is None or not (fmt in NATIVE_FORMATS or self._torch[fmt][1] is None):
+            return None
+        return self.native.greedy_tokens(hidden)
 
     def expert_load(self) -> dict[int, list[int]]:
         """Layer -> tokens routed to each expert so far, over both paths' layers."""

@@ -19,6 +19,7 @@ from kernels.native.build import NativeBuild, load
 from shared.hostmem.huge_pages import copy_array
 from shared.model.embedding import TokenEmbedding
 from shared.model.gguf_file import Checkpoint
+from shared.model.greedy_head import GreedyHead
 from shared.modelfile.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ class NativeStepError(RuntimeError):
 class NativeBytes:
     weights: int  # bytes of every matrix in its native form (the memory they hold)
     per_step_b1: int  # bytes of matrices one batch-1 step reads (head included)
+    # The head's int8 twin (greedy_head.py): held beside the head, read instead of it by a
+    # step whose rows are all greedy.
+    greedy_twin: int = 0
 
 
 def _stack(parts: list[np.ndarray]) -> np.ndarray:
@@ -177,6 +181,7 @@ class NativeStep:
         self.embedding = embed
         # A tied head in Q8_0 is the embedding's own blocks: one copy serves both.
         self.shares_embedding = head_name == "embed_tokens" and embed.quantized
+        head_blocks: tuple[np.ndarray, np.ndarray] | None = None  # a Q8_0 head's quants, scales
         if self.shares_embedding:
             assert embed.quants is not None and embed.scales is not None
             self._head = abi.Linear(
@@ -188,8 +193,20 @@ class NativeStep:
                 embed.scales.ctypes.data,
                 None,
             )
+            head_blocks = embed.quants, embed.scales
         else:
-            self._head = self._linear(checkpoint, [head_name], int8=False)
+            self._head, arrays = self._packed(checkpoint, [head_name], int8=False)
+            if self._head.kind == abi.Q8_0:
+                head_blocks = arrays[0], arrays[1]
+        # Greedy rows take their token through the head's int8 twin (greedy_head.py): the
+        # same argmax, past a few rows at a third of the head's cost.
+        self.greedy: GreedyHead | None = None
+        self._twin_bytes = 0  # memory of the head's int8 twin, which no step reads beside it
+        if head_blocks is not None:
+            before = self._weight_bytes
+            twin, _ = self._packed(checkpoint, [head_name], int8=True)
+            self._twin_bytes, self._weight_bytes = self._weight_bytes - before, before
+            self.greedy = GreedyHead(lib, *head_blocks, twin, lambda: self.threads)
         if embed.quantized:
             assert embed.quants is not None and embed.scales is not None
             embed_rows, embed_quants, embed_scales = None, embed.quants, embed.scales
@@ -262,6 +279,12 @@ class NativeStep:
     ) -> abi.Linear:
         """One matrix (rows of `names` stacked) in the file's own blocks when all parts share
         a block type, else fp32."""
+        return self._packed(checkpoint, names, int8)[0]
+
+    def _packed(
+        self, checkpoint: Checkpoint, names: list[str], int8: bool | None = None
+    ) -> tuple[abi.Linear, list[np.ndarray]]:
+        """_linear's matrix and the arrays it points into (quants and scales first)."""
         t = checkpoint.tensors
         out = sum(t[n].shape[0] for n in names)
         inp = t[names[0]].shape[1]
@@ -279,7 +302,7 @@ class NativeStep:
                 arrays = [a for a in (quants, scales, mins) if a is not None]
                 self._keep.extend(arrays)
                 self._weight_bytes += sum(a.nbytes for a in arrays)
-                return abi.Linear(
+                linear = abi.Linear(
                     kind,
                     out,
                     inp,
@@ -288,10 +311,11 @@ class NativeStep:
                     scales.ctypes.data if scales is not None else None,
                     mins.ctypes.data if mins is not None else None,
                 )
+                return linear, arrays
         dense = torch.cat([t[n] for n in names], dim=0).float().contiguous()
         self._keep.append(dense)
         self._weight_bytes += dense.numel() * 4
-        return abi.Linear(abi.F32, out, inp, 0, dense.data_ptr(), None, None)
+        return abi.Linear(abi.F32, out, inp, 0, dense.data_ptr(), None, None), []
 
     def matrix(self, layer: int, name: str) -> NativeMatrix:
         """One of a layer's matrices (qkv, o_proj, gate_up, down) as a callable, or the head
@@ -304,7 +328,7 @@ class NativeStep:
         """Memory the matrices hold (a head shared with the embedding is the embedding's),
         and bytes a batch-1 step reads (that head included)."""
         shared = self.embedding.nbytes if self.shares_embedding else 0
-        return NativeBytes(self._weight_bytes, self._weight_bytes + shared)
+        return NativeBytes(self._weight_bytes, self._weight_bytes + shared, self._twin_bytes)
 
     # ------------------------------------------------------------------ running
 
@@ -347,6 +371,13 @@ class NativeStep:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.matrix(-1, "head")(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `logits(hidden)` ([rows] long), or None where this head has
+        no int8 twin (not Q8_0): the caller takes the logits."""
+        if self.greedy is None:
+            return None
+        return self.greedy.tokens(hidden, lambda h: self.logits(h).argmax(dim=-1))
 
 
 class NativeMatrix:

@@ -67,6 +67,18 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def argmax_only(self) -> bool:
+        """The token is the argmax of the raw logits and nothing else is read from them: no
+        penalty, grammar or logprobs (so a model may find it without the full logits)."""
+        return (
+            self.is_greedy
+            and not self.uses_repetition_penalty
+            and not self.uses_count_penalties
+            and self.logprobs is None
+            and self.structured is None
+        )
+
+    @property
     def uses_repetition_penalty(self) -> bool:
         return self.repetition_penalty != 1.0
 

@@ -70,7 +70,7 @@ def verify(
     if not needs_probs:
         # Plain greedy without penalties: the argmax of the raw logits is all there is.
         targets = logits.float().argmax(dim=-1).tolist()
-        return _accept_greedy(items, targets)
+        return verify_greedy(items, targets)
     rows_params: list[SamplingParams] = []
     rows_out: list[list[int]] = []
     rows_prompt: list[list[int]] = []
@@ -91,7 +91,7 @@ def verify(
     for it in items:
         k = len(it.draft)
         if it.params.is_greedy:
-            results.extend(_accept_greedy([it], targets[offset : offset + k + 1]))
+            results.extend(verify_greedy([it], targets[offset : offset + k + 1]))
         else:
             accepted, residual = _accept_sampled(it, p[offset : offset + k + 1], shared)
             final_index.append(len(results))
@@ -112,7 +112,8 @@ def verify(
     return results
 
 
-def _accept_greedy(items: list[VerifyInput], targets: list[int]) -> list[Verified]:
+def verify_greedy(items: list[VerifyInput], targets: list[int]) -> list[Verified]:
+    """Greedy rows without penalties, given the target's argmax at each of their rows."""
     out: list[Verified] = []
     offset = 0
     for it in items:

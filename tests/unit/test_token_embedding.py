@@ -70,6 +70,10 @@ def test_memory_counts_the_shared_blocks_once(checkpoint):
     assert (
         model.native.nbytes.per_step_b1 == model.native.nbytes.weights + model.embed_tokens.nbytes
     )
+    # The head's int8 twin for greedy rows is held apart, and reported on its own line.
+    twin = model.native.nbytes.greedy_twin
+    assert twin >= model.embed_tokens.nbytes // 2
+    assert held["native head int8 twin (greedy rows)"] == twin
 
 
 @pytest.mark.real_model
