@@ -351,12 +351,7 @@ class Speculator:
             drafts = self.draft.propose(requests, sampling, trees)
         else:
             drafts = self.draft.propose(requests, sampling)
-        # A new request's first call feeds the head its whole prompt (at `bench spec`'s
-        # grounded b1, 26 ms on native-a8 against a 4.6 ms step): priced as drafting, it
-        # made every later head draft look dear, and on a fast target the head was never
-        # chosen again to correct the estimate.
-        catch_up = getattr(self.draft, "last_catch_up_seconds", 0.0)
-        seconds = max(0.0, time.perf_counter() - start - catch_up)
+        seconds = time.perf_counter() - start
         depth = max(r.max_tokens for r in requests)
         per_token = seconds / depth
         self._draft_cost = (

@@ -16,7 +16,6 @@ true one and are overwritten by the next true pairs, never attended before.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +24,6 @@ import torch
 from shared.speculative.draft_model import BatchKV, gather_kv, scatter_kv
 from shared.speculative.head_model import DraftHead
 from shared.speculative.proposer import Draft, DraftRequest
-
-# More true pairs than this awaiting the head in one row make a call a catch-up: in steady
-# decoding a row brings at most a verify step's tokens (k + 1 <= 16) since its last call.
-CATCH_UP_PAIRS = 16
 
 
 @dataclass
@@ -82,10 +77,6 @@ class HeadDraftProposer:
         self.target_vocab_size = target_vocab_size
         self._states: dict[str, _HeadState] = {}
         self._generator = torch.Generator().manual_seed(seed)
-        # Seconds the last `propose` spent catching up on a backlog of true pairs (a new
-        # request's whole prompt): a once-per-request cost, like its prefill, which must not
-        # be read as the price of every later proposal (Speculator._propose_model_drafts).
-        self.last_catch_up_seconds = 0.0
 
     @property
     def num_cached_requests(self) -> int:
@@ -138,7 +129,6 @@ class HeadDraftProposer:
     ) -> list[Draft]:
         """`trees[i]`: request i may get a tree (greedy, and `tree_width` > 1 here)."""
         drafts = [Draft(token_ids=[]) for _ in requests]
-        self.last_catch_up_seconds = 0.0
         room = self.head.config.max_position
         active: list[int] = []
         for i, req in enumerate(requests):
@@ -160,12 +150,8 @@ class HeadDraftProposer:
         ]
         chain_rows = [row for row in range(len(reqs)) if row not in set(tree_rows)]
         steps = max(r.max_tokens for r in reqs)
-        backlog = max(s.known - min(s.fed, s.known - 1) for s in states)
-        start = time.perf_counter()
         # A tree's depth expands at most `tree_width` nodes, each one cache entry.
         f, kv = self._feed_true_pairs(reqs, states, steps * (self.tree_width if tree_rows else 1))
-        fed = time.perf_counter() - start
-        self.last_catch_up_seconds = fed if backlog > CATCH_UP_PAIRS else 0.0
         if tree_rows:
             # Tree rows read their own batch rows of the batch's cache (no copy of it).
             grown = self._trees(

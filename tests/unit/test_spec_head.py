@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -628,40 +627,3 @@ def test_a_chat_is_held_out_whole_so_no_held_out_reply_is_trained_on():
     for chat in train:
         for ids, _ in chat:
             assert not any(tuple(ids[: len(h)]) == h for h in held_text)
-
-
-def test_a_new_requests_catch_up_is_not_priced_as_drafting(tiny_model, plain, head_file):
-    """A request's first head call feeds the head its whole prompt; later calls feed only
-    the tokens kept since. The first is reported as catch-up and left out of the drafting
-    cost the controller prices head drafts with; a steady call reports none."""
-    prompts, _ = plain
-    head = _head_drafting(tiny_model, head_file, 3)
-    engine = _engine(tiny_model, "draft", head, num_speculative_tokens=4)
-    calls: list[tuple[float, float, int]] = []  # (seconds, catch-up seconds, depth)
-    propose = head.propose
-
-    def timed(requests, *args, **kwargs):
-        start = time.perf_counter()
-        drafts = propose(requests, *args, **kwargs)
-        depth = max(r.max_tokens for r in requests)
-        calls.append((time.perf_counter() - start, head.last_catch_up_seconds, depth))
-        return drafts
-
-    head.propose = timed  # type: ignore[method-assign]
-    long_prompt = (prompts[0] * 8)[:120]  # far more pairs than a steady call brings
-    engine.speculator._draft_cost = None
-    first_cost: list[float] = []
-    drafting = engine.speculator._propose_model_drafts
-
-    def priced(choices):
-        drafting(choices)
-        if choices and not first_cost:
-            first_cost.append(engine.speculator._draft_cost or 0.0)
-
-    engine.speculator._propose_model_drafts = priced  # type: ignore[method-assign]
-    engine.generate([long_prompt], GREEDY)
-    seconds, catch_up, depth = calls[0]
-    assert catch_up > 0.3 * seconds  # the prompt's pairs were a real share of the call
-    assert all(c == 0.0 for _, c, _ in calls[1:]) and len(calls) > 3
-    # The first estimate is the call's time less its catch-up, per guessed depth.
-    assert first_cost[0] * depth < seconds - 0.5 * catch_up
