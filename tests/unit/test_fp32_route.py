@@ -258,3 +258,58 @@ def test_a_worker_routes_every_row_count_before_it_serves(fresh_routes, monkeypa
         assert passes[0] > 0 and fresh_routes.is_file()  # measured once, kept for the machine
     finally:
         runtime.transfer.close()
+
+
+def _contended_timing(monkeypatch, contended_rounds: int) -> list[int]:
+    """Timing where the first `contended_rounds` rounds are preempted (and in them linear
+    looks fastest); quiet rounds time weight-stationary fastest. Returns passes timed."""
+    passes = [0]
+    switches = [0]
+    per_round = len(fp32_route._calls(2))
+
+    def fake_pass(call, weights, xs):
+        round_ = passes[0] // per_round
+        passes[0] += 1
+        name = next(n for n, c in fp32_route._calls(2).items() if c is call)
+        if round_ < contended_rounds:
+            switches[0] += 500  # another process's threads had the cores
+            seconds = 1.0 if name == "linear" else 3.0
+        else:
+            seconds = 1.0 if name == "weight-stationary" else 2.0
+        return {(w.shape[0], w.shape[1]): seconds for w in weights}
+
+    monkeypatch.setattr(fp32_route, "_pass_seconds", fake_pass)
+    monkeypatch.setattr(fp32_route, "_preemptions", lambda: switches[0])
+    return passes
+
+
+def test_a_preempted_round_does_not_count(fresh_routes, monkeypatch):
+    """A round that other processes preempted is timed again: the route comes from quiet
+    rounds only, and is what the machine's file then holds."""
+    torch.manual_seed(11)
+    layer = Linear(torch.randn(56, 24), "fp32")
+    passes = _contended_timing(monkeypatch, contended_rounds=2)
+    layer(torch.randn(2, 24))
+    per_round = len(fp32_route._calls(2))
+    assert passes[0] == per_round * (2 + fp32_route._ROUNDS)
+    assert fp32_route._routes[(56, 24, 2, torch.get_num_threads())] == "weight-stationary"
+    assert '"weight-stationary"' in fresh_routes.read_text()
+
+
+def test_a_machine_never_quiet_gets_the_best_of_every_round_and_a_warning(
+    fresh_routes, monkeypatch, caplog
+):
+    torch.manual_seed(12)
+    layer = Linear(torch.randn(56, 24), "fp32")
+    passes = _contended_timing(monkeypatch, contended_rounds=10**6)
+    with caplog.at_level("WARNING", logger=fp32_route.__name__):
+        layer(torch.randn(2, 24))
+    assert passes[0] == len(fp32_route._calls(2)) * fp32_route._MAX_ROUNDS
+    assert fp32_route._routes[(56, 24, 2, torch.get_num_threads())] == "linear"
+    assert "preempted" in caplog.text
+
+
+def test_a_quiet_pass_counts_preemptions_of_this_process():
+    before = fp32_route._preemptions()
+    assert isinstance(before, int) and before >= 0
+    assert fp32_route._preemptions() >= before
