@@ -8,7 +8,7 @@ A sequence verifying a draft tree (`trees[i]`: each draft node's parent, -1 for 
 query token) keeps its query tokens in consecutive slots, but query token j sits at position
 `context_len - query_len + depth(j)` and attends to the context before the first query token,
 to the first query token, and to its own ancestors and itself among the rest
-(shared/speculative/tree.py).
+(engine/speculative/tree.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ that expert's gated MLP and scaled by each row's routing weight.
 
 The torch reference loops over experts (one matmul pair per expert, never per token); the
 Triton kernel (kernels/triton_moe.py) computes the same thing in two launches over a tile
-list. Both take plain tensors: the model (shared/model/moe.py) routes, sorts and scatters.
+list. Both take plain tensors: the model (engine/model/moe.py) routes, sorts and scatters.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Environment defaults every splitserve process sets before torch or gRPC load.
 
-Called first by the `splitserve` entry point (services/cli.py), and by the test suite's
+Called first by the `splitserve` entry point (tools/cli.py), and by the test suite's
 conftest, so in-process engines under test run as served ones do. An operator's own setting
 of either variable wins.
 """

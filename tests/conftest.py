@@ -52,22 +52,22 @@ def _torch_threads_restored():
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny random-weight Llama in fp32 (same code path as the real model)."""
-    from shared.model.llama import LlamaModel
-    from shared.model.tiny import tiny_checkpoint
+    from engine.model.llama import LlamaModel
+    from engine.model.tiny import tiny_checkpoint
 
     return LlamaModel(tiny_checkpoint(seed=0), weights="fp32")
 
 
 @pytest.fixture(scope="session")
 def real_checkpoint(gguf_path):
-    from shared.model.gguf_file import read_gguf
+    from engine.model.gguf_file import read_gguf
 
     return read_gguf(gguf_path)
 
 
 @pytest.fixture(scope="session")
 def real_model(real_checkpoint):
-    from shared.model.llama import LlamaModel
+    from engine.model.llama import LlamaModel
 
     return LlamaModel(real_checkpoint, weights="fp32")
 

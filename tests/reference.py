@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.model.layers import rms_norm
-from shared.model.llama import LlamaModel
-from shared.model.rope import RotaryEmbedding
+from engine.model.layers import rms_norm
+from engine.model.llama import LlamaModel
+from engine.model.rope import RotaryEmbedding
 
 
 @torch.inference_mode()

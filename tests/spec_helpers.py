@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from shared.speculative.proposer import Draft, DraftRequest
+from engine.speculative.proposer import Draft, DraftRequest
 
 
 class OracleProposer:

@@ -5,7 +5,7 @@ The OpenAI surface never talks to workers itself: it hands a tokenized, validate
 through the retry loop (`retry`), which owns everything a request does across attempts:
 fallback, migration, the text. One `generate` call is one attempt on one model. The
 production backend speaks gRPC to prefill/decode worker pools; `EngineBackend`
-(`services.inprocess`, outside this package: it imports the engine) runs one engine in-process
+(`tools.inprocess`, outside this package: it imports the engine) runs one engine in-process
 (single-process runs and tests).
 """
 

@@ -45,9 +45,9 @@ from services.coordinator.schemas import ChatCompletionRequest, CompletionReques
 from services.coordinator.settings import APISettings
 from services.coordinator.targets import resolve_targets
 from services.coordinator.unsupported import refuse_unsupported
-from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
 from shared.telemetry.http_span import RequestTrace
 from shared.telemetry.tracing import Tracing
+from shared.training_log import LoggedTurn, TrainingLogWriter
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from services.router.index import ApplyResult, KVIndex
 from services.router.pipeline import RouterPipeline
 from shared.config.roles import can_decode, can_prefill
 from shared.config.schema import DeploymentConfig
-from shared.kvcache.events import KVEvent
+from shared.kvblocks.events import KVEvent
 from shared.wire.records import WorkerLoad
 
 log = logging.getLogger(__name__)

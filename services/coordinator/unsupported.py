@@ -70,7 +70,7 @@ _UNSUPPORTED: dict[Endpoint, dict[str, tuple[Any, ...]]] = {
 }
 
 # `response_format`: the types OpenAI defines; JSON output is enforced by the workers'
-# grammar-constrained decoding (shared/grammar).
+# grammar-constrained decoding (engine/grammar).
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 

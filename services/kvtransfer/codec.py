@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.kvcache.pool import KVLayout
 from services.kvtransfer.types import (
     AgentMetadata,
     BlockDescriptor,
@@ -10,7 +11,6 @@ from services.kvtransfer.types import (
     dtype_from_name,
     dtype_name,
 )
-from shared.kvcache.pool import KVLayout
 from shared.proto_gen import kvtransfer_pb2 as pb
 
 _STATUS = {

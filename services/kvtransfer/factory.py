@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.pool import KVLayout, KVPool
 from services.kvtransfer.interface import TransferBackend
 from services.kvtransfer.shm_pool import SharedKVPool
 from services.kvtransfer.types import TransferError
-from shared.kvcache.pool import KVLayout, KVPool
 
 TransferBackendKind = Literal["tcp", "shm", "nixl"]
 TRANSFER_BACKEND_KINDS: tuple[TransferBackendKind, ...] = ("tcp", "shm", "nixl")

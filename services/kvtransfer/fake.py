@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.pool import KVPool
 from services.kvtransfer.blockbytes import byte_view, copy_runs
 from services.kvtransfer.interface import TransferBackend
 from services.kvtransfer.types import (
@@ -24,7 +25,6 @@ from services.kvtransfer.types import (
     TransferHandle,
     TransferState,
 )
-from shared.kvcache.pool import KVPool
 
 
 @dataclass

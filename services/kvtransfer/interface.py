@@ -23,6 +23,7 @@ from typing import ClassVar
 
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.pool import KVPool
 from services.kvtransfer.metrics import transfer_metrics
 from services.kvtransfer.types import (
     AgentMetadata,
@@ -35,7 +36,6 @@ from services.kvtransfer.types import (
     TransferState,
     layout_mismatch,
 )
-from shared.kvcache.pool import KVPool
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.pool import KVPool
 from services.kvtransfer.interface import TransferBackend
 from services.kvtransfer.types import (
     AgentMetadata,
@@ -41,7 +42,6 @@ from services.kvtransfer.types import (
     TransferHandle,
     TransferState,
 )
-from shared.kvcache.pool import KVPool
 
 _DONE = b"kvx:done:"
 _STOP = b"kvx:stop:"

@@ -23,12 +23,12 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.pool import KVPool
 from services.kvtransfer import wire
 from services.kvtransfer.blockbytes import byte_view, copy_runs
 from services.kvtransfer.shm_pool import SharedKVPool
 from services.kvtransfer.stream import StreamTransferBackend
 from services.kvtransfer.types import AgentMetadata, ReceiveHandle, TransferError
-from shared.kvcache.pool import KVPool
 
 
 class ShmTransferBackend(StreamTransferBackend):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kvcache.pool import KVLayout, KVPool
 from services.kvtransfer.blockbytes import byte_view
-from shared.kvcache.pool import KVLayout, KVPool
 
 SHM_DIR = Path("/dev/shm")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")

@@ -16,6 +16,7 @@ import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
 
+from engine.kvcache.pool import KVPool
 from services.kvtransfer import wire
 from services.kvtransfer.interface import TransferBackend
 from services.kvtransfer.types import (
@@ -25,7 +26,6 @@ from services.kvtransfer.types import (
     TransferHandle,
     TransferState,
 )
-from shared.kvcache.pool import KVPool
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import socket
 
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.pool import KVPool
 from services.kvtransfer import wire
 from services.kvtransfer.blockbytes import byte_view, chunks, runs
 from services.kvtransfer.stream import Refused, StreamTransferBackend
 from services.kvtransfer.types import AgentMetadata, ReceiveHandle, TransferHandle
-from shared.kvcache.pool import KVPool
 
 
 class TcpTransferBackend(StreamTransferBackend):

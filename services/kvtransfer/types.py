@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from shared.kvcache.pool import KVLayout
+from engine.kvcache.pool import KVLayout
 
 Role = Literal["send", "receive"]
 

@@ -27,7 +27,7 @@ from shared.config.schema import ConfigError, DeploymentConfig, dump_config
 from shared.rpc.auth import InternalAuth
 
 COORDINATOR = "coordinator"
-_SERVE = (sys.executable, "-m", "services.cli", "serve")
+_SERVE = (sys.executable, "-m", "tools.cli", "serve")
 _ANY_ADDRESS = {"", "0.0.0.0", "::"}
 
 
@@ -177,7 +177,7 @@ def _child_env(threads: int) -> dict[str, str]:
     # Workers share the machine: an OpenMP pool sized to every core in each of them
     # oversubscribes small machines badly (measured: torch ops 100x slower).
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    # `-m services.cli` must resolve to this checkout even when the launcher runs elsewhere.
+    # `-m tools.cli` must resolve to this checkout even when the launcher runs elsewhere.
     root = str(Path(services.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return env

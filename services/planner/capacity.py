@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.profiler.costmodel import ReplicaProfile
+from services.planner.replica_profile import ReplicaProfile
 
 
 @dataclass(frozen=True)

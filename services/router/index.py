@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.kvcache.events import KVEvent, KVTier
+from shared.kvblocks.events import KVEvent, KVTier
 
 
 @dataclass(frozen=True)

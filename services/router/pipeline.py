@@ -14,7 +14,7 @@ from services.router.pick import pick
 from services.router.replica import ReplicaState
 from services.router.score import score_decode, score_prefill
 from shared.config.router import RouterConfig
-from shared.kvcache.hashing import hash_prompt_blocks
+from shared.kvblocks.hashing import hash_prompt_blocks
 
 
 @dataclass(frozen=True)

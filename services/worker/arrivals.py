@@ -19,7 +19,7 @@ once the control plane says the receive is over, so nothing still writes into fr
 
 Only the worker's event loop touches this (gRPC handlers, the control plane's watchers and
 the expiry loop all run there), so there are no locks. It lives beside the runtime every role
-shares (which owns it), not in services.decode: the prefill role imports the runtime, and the
+shares (which owns it), not in services.worker.decode: the prefill role imports the runtime, and the
 two roles never import each other.
 """
 
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.kvcache.tables import BlockTable
+from engine.kvcache.tables import BlockTable
 
 # KV that landed is kept this long for its Decode call; then its blocks go back.
 PARKED_KV_TTL_S = 30.0

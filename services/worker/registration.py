@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 
 from services.worker.runtime import WorkerRuntime
-from shared.kvcache.events import KVEvent
+from shared.kvblocks.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.rpc.channels import RECONNECT_OPTIONS

@@ -12,18 +12,18 @@ import threading
 import time
 from collections import OrderedDict
 
+from engine.core.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.model_setup import load_serving_model
+from engine.kvcache.kv_dtype import resolve_kv_dtype
+from engine.kvcache.tables import BlockTable
+from engine.model import fp32_route
 from services.kvtransfer.factory import create_pool, create_transfer_backend
 from services.kvtransfer.interface import TransferBackend
 from services.worker.arrivals import PARKED_KV_TTL_S, KVArrivals
 from shared.config.schema import DeploymentConfig, ModelDeployment
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.model_setup import load_serving_model
-from shared.kvcache.events import KVEvent
-from shared.kvcache.kv_dtype import resolve_kv_dtype
-from shared.kvcache.tables import BlockTable
-from shared.model import fp32_route
+from shared.kvblocks.events import KVEvent
 from shared.modelfile.default import default_model_path
 from shared.rpc.auth import InternalAuth
 from shared.tokenizer import Tokenizer
@@ -156,7 +156,7 @@ class WorkerRuntime:
             ).start()
         if spec.draft_path and spec.method in ("draft", "adaptive"):
             # `splitserve draft gate` replaces this file when a better draft passed: the pool
-            # installs it between two steps, without a restart (shared/engine/draft_swap.py).
+            # installs it between two steps, without a restart (engine/core/draft_swap.py).
             self.engine.watch_draft_file(spec.draft_path)
         self.async_engine = AsyncEngine(self.engine)
         options: dict = {"host": config.worker_host} if self.transfer_kind == "tcp" else {}

@@ -28,7 +28,7 @@ CHUNK_TOKENS_WHILE_DECODING = 128
 MAX_NUM_SEQS = 64
 PREEMPTION_MODE: PreemptionMode = "recompute"
 WEIGHTS: Final = "auto"  # the fastest build that passed the quality gate, measured on this machine
-# The KV pool's element type (shared/kvcache/kv_dtype.py): auto = fp16 where the hardware
+# The KV pool's element type (engine/kvcache/kv_dtype.py): auto = fp16 where the hardware
 # converts it, halving the cache bytes a decode step reads and doubling a budget's tokens.
 KVCacheDtype = Literal["auto", "float32", "float16"]
 KV_CACHE_DTYPES: Final = ("auto", "float32", "float16")
@@ -65,7 +65,7 @@ NUM_SPECULATIVE_TOKENS = 4
 # 1.50/1.32x vs 1.35/1.18x, grounded b1 1.72/1.77x vs 1.70/1.65x (grounded b8 split: 1.01/1.00x
 # vs 0.88/1.28x). 0.15 lost to both.
 # Then the fp32 route gained its single-stream native loop and four-output tiles on that
-# machine (shared/model/fp32_route.py), and a verify row became cheap again: 1 row 28.6 ms,
+# machine (engine/model/fp32_route.py), and a verify row became cheap again: 1 row 28.6 ms,
 # 2 rows 30.7, 3 rows 33.4, 9 rows 45.6. Re-measured with the same head, one process, the
 # two cutoffs interleaved prompt by prompt, 0.3 against 0.5: head alone chat b1 1.46x vs
 # 1.26x, chat b8 0.92x vs 0.91x, grounded b1 1.03x vs 1.00x, grounded b8 0.91x vs 0.90x;
@@ -77,7 +77,7 @@ DRAFT_MIN_CONFIDENCE = 0.3
 # A draft head drafts a tree for greedy rows when this is above 1: at each depth its
 # `width` likeliest nodes are extended by their `width` likeliest next tokens, and the k
 # likeliest nodes of all depths are proposed (EAGLE-2's dynamic tree; head_proposer.py,
-# shared/speculative/tree.py). 1 drafts chains. Trees still carry adaptive's n-gram branch
+# engine/speculative/tree.py). 1 drafts chains. Trees still carry adaptive's n-gram branch
 # (Speculator: MERGED) at width 1.
 # Measured on an AVX-512 (bf16) EPYC, fp32, 2 threads, k=8, the bench's 30-CPU-minute head
 # (held-out agreement 0.487), one process, variants interleaved prompt by prompt: head alone

@@ -74,7 +74,7 @@ class WorkerConfig(_Strict):
 class ModelDeployment(_Strict):
     id: str = "SmolLM2-135M-Instruct"
     path: str | None = Field(None, description="GGUF file or HF folder; None = bundled SmolLM2")
-    # bf16 passed the quality gate for the bundled model (report shipped in shared/quality/reports).
+    # bf16 passed the quality gate for the bundled model (report shipped in engine/quality/reports).
     weights: WeightsName = defaults.WEIGHTS
     max_model_len: int | None = Field(None, ge=16)
     pools: PoolsConfig = PoolsConfig()
@@ -208,7 +208,7 @@ class TelemetryConfig(_Strict):
 
 class TrainingLogConfig(_Strict):
     """Finished requests as token ids, for training a draft on this deployment's traffic
-    (shared/speculative/training_log.py). Off by default: see README, consent and retention."""
+    (shared/training_log.py). Off by default: see README, consent and retention."""
 
     enabled: bool = Field(False, description="log finished requests' token ids (opt-in)")
     path: str = Field(

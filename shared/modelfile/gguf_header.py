@@ -4,7 +4,7 @@ The `gguf` package's reader builds a numpy view per array element: opening the b
 model's 49k-token vocabulary that way takes about 3 s, where this parser takes a few tens of
 milliseconds. Processes that only need the metadata (the coordinator's tokenizer and context
 length, a worker's tokenizer) read it here, and loading weights finds each tensor's bytes
-through its directory (`shared.model.gguf_file`).
+through its directory (`engine.model.gguf_file`).
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3, either
 byte order). Everything comes from an untrusted file, so every length and count is checked

@@ -1,7 +1,7 @@
 """A GGUF's hyper-parameters from its metadata, without reading its tensors.
 
 For processes that never run the model (the coordinator needs the context length) and as the
-first step of loading one (`shared.model.gguf_file`).
+first step of loading one (`engine.model.gguf_file`).
 """
 
 from __future__ import annotations

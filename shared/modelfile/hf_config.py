@@ -1,7 +1,7 @@
 """A Hugging Face folder's config.json, read through the family its `architectures` names.
 
 Torch-free (the coordinator reads it for the context length); the tensors are read by
-shared/model/hf_folder.py.
+engine/model/hf_folder.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,2 @@
-"""Sampling: per-request params, batched token selection, stop strings and logprob records.
-
-Deliberately empty of imports: `params`, `stop` and `logprob` are torch-free and the
-coordinator uses them, while `batch`, `sampler`, `penalties` and `truncation` are the engine's
-torch code. Import the submodule you need.
-"""
+"""What a request asks of sampling, torch-free: its parameters, stop strings, structured
+output and the logprob records it gets back. The engine applies them (`engine.sampling`)."""

@@ -1,7 +1,7 @@
 """What a request's output must be (OpenAI `response_format`), as the workers receive it.
 
 The coordinator checks the shape of `response_format` and sends the schema as JSON text; the
-grammar itself is compiled on the workers (`shared.grammar`), where the tokenizer and the
+grammar itself is compiled on the workers (`engine.grammar`), where the tokenizer and the
 sampler are. This record is plain data so that the coordinator can build it without loading
 the grammar engine.
 """

@@ -3,7 +3,7 @@ the one place each is converted, for both sides of the wire."""
 
 from __future__ import annotations
 
-from shared.kvcache.events import KVEvent
+from shared.kvblocks.events import KVEvent
 from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParamError, SamplingParams

@@ -1,7 +1,7 @@
 """The records that cross a process boundary, one per message kind, as every side holds them.
 
 `convert` turns each into its protobuf and back; nothing else copies them field by field.
-(KV events have theirs beside the log that numbers them: `shared.kvcache.events.KVEvent`.)
+(KV events have theirs beside the log that numbers them: `shared.kvblocks.events.KVEvent`.)
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ import argparse
 
 import yaml
 
-from services.commands import draft_cmd
 from shared.config import engine_defaults
 from shared.config.schema import parse_config
 from tests.chart.conftest import render
+from tools.commands import draft_cmd
 
 LOG_DIR = "/var/lib/splitserve/training-log"
 DRAFT_DIR = "/var/lib/splitserve/drafts"

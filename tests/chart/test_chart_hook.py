@@ -19,12 +19,12 @@ KEY = "sk-test-hook-key"
 
 @pytest.fixture(scope="module")
 def coordinator(real_model, real_tokenizer):
+    from engine.core.config import EngineConfig
+    from engine.core.engine import Engine
     from services.coordinator.app import create_app
     from services.coordinator.server import ServerThread
     from services.coordinator.settings import APISettings
-    from services.inprocess.engine_backend import EngineBackend
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
+    from tools.inprocess.engine_backend import EngineBackend
 
     model_id = "SmolLM2-135M-Instruct"  # models[0].id in values.yaml
     engine = Engine(EngineConfig(num_blocks=64, block_size=16), real_model, real_tokenizer)

@@ -12,9 +12,9 @@ import tomllib
 import pytest
 import yaml
 
-from services.commands import planner_cmd
-from services.worker_server.server import DRAIN_TAIL_S
+from services.worker.server import DRAIN_TAIL_S
 from tests.chart.conftest import CHART, ROOT, VALUE_SETS, helm_template, render
+from tools.commands import planner_cmd
 
 
 def pod_specs(rendered) -> list[tuple[str, dict]]:

@@ -14,8 +14,6 @@ import grpc
 import httpx
 import pytest
 
-from services.bench import chaos_bench
-from services.bench.chaos_bench import ChaosBenchSpec
 from services.launcher import start_local_stack
 from services.launcher.presets import loopback_config
 from shared.config.schema import parse_config
@@ -25,6 +23,8 @@ from shared.proto_gen import kvtransfer_pb2_grpc as kv_grpc
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from tests.waiting import wait_until
+from tools.bench import chaos_bench
+from tools.bench.chaos_bench import ChaosBenchSpec
 
 pytestmark = pytest.mark.real_model
 

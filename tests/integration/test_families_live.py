@@ -13,9 +13,7 @@ import time
 import httpx
 import pytest
 
-from services.launcher import start_local_stack
-from shared.config.schema import parse_config
-from shared.model.tiny_families import (
+from engine.model.tiny_families import (
     FAMILIES,
     VOCAB,
     char_token_ids,
@@ -23,6 +21,8 @@ from shared.model.tiny_families import (
     save_char_tokenizer,
     save_family,
 )
+from services.launcher import start_local_stack
+from shared.config.schema import parse_config
 
 pytest.importorskip("transformers")
 

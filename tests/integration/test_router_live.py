@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.launcher import start_local_stack
 from shared.config.schema import parse_config
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.sampling.params import SamplingParams
 

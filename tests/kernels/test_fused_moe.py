@@ -38,8 +38,8 @@ def test_mismatched_shapes_are_refused():
 @pytest.mark.parametrize("shared_expert", [False, True])
 def test_sparse_mlp_is_the_same_through_either_kernel(shared_expert):
     """The model's MoE layer, routed once, computed by the torch loop or the Triton kernels."""
-    from shared.model.linear import Linear
-    from shared.model.moe import SparseMLP
+    from engine.model.linear import Linear
+    from engine.model.moe import SparseMLP
 
     gen = torch.Generator().manual_seed(1)
     hidden, inter, experts = 32, 16, 6

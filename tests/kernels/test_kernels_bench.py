@@ -8,11 +8,11 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed; the kernels cannot be run")
 
-from services.bench import kernels_bench  # noqa: E402
+from tools.bench import kernels_bench  # noqa: E402
 
 
 def test_without_cuda_it_says_so_and_reports_torch_timings(tmp_path, capsys, monkeypatch):
-    from services.commands import kernels_cmd
+    from tools.commands import kernels_cmd
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     import argparse

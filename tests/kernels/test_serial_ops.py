@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.model.layers import rms_norm
+from engine.model.rope import RotaryEmbedding
 from kernels.moe_experts import activate
 from kernels.serial_ops import SERIAL_MAX_ROWS, serial_ops
-from shared.model.layers import rms_norm
-from shared.model.rope import RotaryEmbedding
 
 
 @pytest.fixture

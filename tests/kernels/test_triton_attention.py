@@ -52,9 +52,9 @@ def test_mixed_step_matches_torch_kernel(group):
 
 
 def test_tiny_model_forward_is_the_same_with_either_kernel(tiny_model):
-    from shared.kvcache.pool import KVPool
-    from shared.model.llama import LlamaModel
-    from shared.model.tiny import tiny_checkpoint
+    from engine.kvcache.pool import KVPool
+    from engine.model.llama import LlamaModel
+    from engine.model.tiny import tiny_checkpoint
 
     triton_model = LlamaModel(tiny_checkpoint(seed=0), weights="fp32",
                               attention=TritonPagedAttention())  # fmt: skip

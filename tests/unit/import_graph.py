@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ast
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "shared", "kernels")
+PACKAGES = ("tools", "services", "engine", "shared", "kernels")
 SKIP_DIRS = ("__pycache__",)
 
 
@@ -162,13 +162,14 @@ def component(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def cycles(graph: ImportGraph) -> list[list[str]]:
-    """Strongly connected sets of components with more than one member (Tarjan)."""
+def cycles(graph: ImportGraph, unit: Callable[[str], str] = component) -> list[list[str]]:
+    """Strongly connected sets of units (`component` unless told) with more than one member
+    (Tarjan)."""
     succ: dict[str, set[str]] = {}
     for edge in graph.all_edges():
         if edge.target not in graph.modules:
             continue
-        a, b = component(edge.importer), component(edge.target)
+        a, b = unit(edge.importer), unit(edge.target)
         succ.setdefault(a, set())
         succ.setdefault(b, set())
         if a != b:

@@ -3,11 +3,11 @@ tokens are counted per endpoint and a failed request is recorded, not raised."""
 
 from __future__ import annotations
 
-from services.bench.load import completion_token, stream_timing
 from services.coordinator.backend import BackendError
 from services.coordinator.settings import APISettings
 from tests.unit.coordinator_client import chat_body, run_with_client
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
+from tools.bench.load import completion_token, stream_timing
 
 MODEL = "m"
 

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.events import KVEvent
-from shared.kvcache.hashing import block_hash, hash_prompt_blocks
-from shared.kvcache.host_kv_tier import DiskKVTier, HostKVTier
-from shared.kvcache.pool import KVLayout, KVPool
-from shared.kvcache.tables import BlockTable, KVIntegrityError, SwappedBlocks
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.host_kv_tier import DiskKVTier, HostKVTier
+from engine.kvcache.pool import KVLayout, KVPool
+from engine.kvcache.tables import BlockTable, KVIntegrityError, SwappedBlocks
+from shared.kvblocks.events import KVEvent
+from shared.kvblocks.hashing import block_hash, hash_prompt_blocks
 
 BS = 4
 

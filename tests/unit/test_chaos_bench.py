@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.bench.chaos_bench import StreamResult, met_targets, summarize_streams, table_rows
+from tools.bench.chaos_bench import StreamResult, met_targets, summarize_streams, table_rows
 
 
 def test_summary_counts_identical_failed_and_the_p99_of_each_streams_longest_stall():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from shared.sampling.params import SamplingParams
 
 STREAMING = list(range(3, 40))

@@ -13,15 +13,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.coordinator.app import create_app
 from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
-from services.inprocess.engine_backend import EngineBackend
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.sampling.params import SamplingParams
 from tests.unit.coordinator_client import sse_events
+from tools.inprocess.engine_backend import EngineBackend
 
 pytestmark = pytest.mark.real_model
 

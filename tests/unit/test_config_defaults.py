@@ -3,10 +3,10 @@ to the same value, except the named library exceptions in shared/config/engine_d
 
 import dataclasses
 
+from engine.core.config import EngineConfig
 from shared.config import engine_defaults as defaults
 from shared.config.schema import DeploymentConfig, ModelDeployment, WorkerConfig
 from shared.config.speculative import SpeculativeConfig
-from shared.engine.config import EngineConfig
 
 # EngineConfig field -> (schema model, its field name), for fields whose names differ.
 RENAMED = {

@@ -115,7 +115,7 @@ def test_missing_file_is_refused(tmp_path):
 
 def _splitserve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "tools.cli", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from services.bench.cpu_time import process_cpu_s, total_cpu_s
+from tools.bench.cpu_time import process_cpu_s, total_cpu_s
 
 BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
 

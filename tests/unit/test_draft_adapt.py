@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from services.bench.draft_adapt import AdaptPolicy, due, history_path, read_history, run_round
-from services.bench.draft_gate import GateRun, decide
-from services.commands import draft_cmd
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
-from shared.speculative.head_file import read_head
-from shared.speculative.head_train import HeadTrainConfig, train_head
-from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
+from engine.speculative.head_file import read_head
+from engine.speculative.head_train import HeadTrainConfig, train_head
+from shared.training_log import LoggedTurn, TrainingLogWriter
 from tests.spec_helpers import motif_prompts
 from tests.unit.test_spec_head import FINGERPRINT, GREEDY, head_file, plain  # noqa: F401
+from tools.bench.draft_adapt import AdaptPolicy, due, history_path, read_history, run_round
+from tools.bench.draft_gate import GateRun, decide
+from tools.commands import draft_cmd
 
 
 def test_a_round_is_due_only_after_enough_new_turns():
@@ -96,9 +96,9 @@ def test_adapt_cli_rounds_train_gate_and_go_on_from_the_served_head(tmp_path, ca
     yet) and the real gate replays the held-out chats; without new turns no round runs; after
     more traffic the next round goes on from whatever is served."""
     folder = write_hf_folder(tiny_checkpoint(0), tmp_path / "tiny")
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import Engine
-    from shared.model.llama import LlamaModel
+    from engine.core.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.model.llama import LlamaModel
 
     engine = Engine(
         EngineConfig(num_blocks=200), model=LlamaModel(tiny_checkpoint(0), weights="fp32")

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
-from shared.speculative import draft_file
-from shared.speculative.draft_file import DraftLoadError, draft_path_for, save_draft
-from shared.speculative.draft_model import model_from_checkpoint
-from shared.speculative.draft_proposer import load_draft_proposer
-from shared.speculative.proposer import DraftRequest
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.speculative import draft_file
+from engine.speculative.draft_file import DraftLoadError, draft_path_for, save_draft
+from engine.speculative.draft_model import model_from_checkpoint
+from engine.speculative.draft_proposer import load_draft_proposer
+from engine.speculative.proposer import DraftRequest
 
 V = TINY_CONFIG.vocab_size
 FP = "a" * 64

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
-from shared.speculative.draft_model import BatchKV, model_from_checkpoint
-from shared.speculative.draft_proposer import ModelDraftProposer
-from shared.speculative.proposer import DraftRequest
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.speculative.draft_model import BatchKV, model_from_checkpoint
+from engine.speculative.draft_proposer import ModelDraftProposer
+from engine.speculative.proposer import DraftRequest
 
 V = TINY_CONFIG.vocab_size
 PROMPTS = [[5, 17, 300, 42, 8, 99, 123], [7, 8, 9], [400, 1, 2, 3, 4, 250, 6, 7, 8, 9, 10]]

@@ -10,16 +10,16 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from services.bench.draft_gate import GateRun, decide, gate, install
-from services.commands import draft_cmd
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
-from shared.speculative.head_file import read_head, save_head
-from shared.speculative.head_model import DraftHead, init_head_from_checkpoint
-from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
-from shared.telemetry.engine_metrics import EngineMetrics
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
+from engine.speculative.head_file import read_head, save_head
+from engine.speculative.head_model import DraftHead, init_head_from_checkpoint
+from services.worker.engine_metrics import EngineMetrics
+from shared.training_log import LoggedTurn, TrainingLogWriter
 from tests.unit.test_spec_head import FINGERPRINT, GREEDY, head_file, plain  # noqa: F401
+from tools.bench.draft_gate import GateRun, decide, gate, install
+from tools.commands import draft_cmd
 
 SALT = FINGERPRINT.encode()
 

@@ -11,18 +11,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.commands import draft_cmd
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
-from shared.speculative.draft_data import (
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
+from engine.speculative.draft_data import (
     PromptFileError,
     build_vocab,
     generate_teacher_data,
     load_prompts,
 )
-from shared.speculative.draft_model import model_from_checkpoint
-from shared.speculative.draft_proposer import load_draft_proposer
-from shared.speculative.draft_train import TrainConfig, train_draft
-from shared.speculative.proposer import DraftRequest
+from engine.speculative.draft_model import model_from_checkpoint
+from engine.speculative.draft_proposer import load_draft_proposer
+from engine.speculative.draft_train import TrainConfig, train_draft
+from engine.speculative.proposer import DraftRequest
+from tools.commands import draft_cmd
 
 V = TINY_CONFIG.vocab_size
 
@@ -150,7 +150,7 @@ def test_bundled_prompt_set_renders_with_a_chat_template():
         def encode(self, text):
             return [len(text)]
 
-    from shared.speculative.draft_data import DEFAULT_PROMPTS
+    from engine.speculative.draft_data import DEFAULT_PROMPTS
 
     prompts = load_prompts(DEFAULT_PROMPTS, Echo())
     assert 100 <= len(prompts) <= 300

@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from services.worker_server.server import drain
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from services.worker.server import drain
 from shared.sampling.params import SamplingParams
 from shared.wire.records import WorkerLoad
 from tests.unit.test_migration_backend import (

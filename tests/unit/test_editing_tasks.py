@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from importlib import resources
 
-from services.bench.editing_tasks import TASKS_FILE, editing_conversations, with_typos
+from tools.bench.editing_tasks import TASKS_FILE, editing_conversations, with_typos
 
 
 def _data(name: str) -> dict:
-    return json.loads((resources.files("services.bench") / "data" / name).read_text())
+    return json.loads((resources.files("tools.bench") / "data" / name).read_text())
 
 
 def test_every_template_meets_every_passage():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import engine_bench
+from tools.bench import engine_bench
 
 
 def test_every_sequence_decodes_through_the_measured_steps(tiny_model, monkeypatch):
@@ -52,8 +52,8 @@ def test_a_smaller_window_fits_every_length_inside_it(window):
 
 def test_a_window_too_small_to_measure_is_refused_in_one_line(tmp_path, capsys):
     pytest.importorskip("transformers")
-    from services.cli import main
-    from shared.model.tiny_families import save_family
+    from engine.model.tiny_families import save_family
+    from tools.cli import main
 
     save_family("llama3", tmp_path, max_position_embeddings=64)
     capsys.readouterr()  # transformers' progress bar while saving
@@ -67,7 +67,7 @@ def test_a_window_too_small_to_measure_is_refused_in_one_line(tmp_path, capsys):
 
 def test_a_tiny_family_folder_runs_at_lengths_its_window_holds(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    from shared.model.tiny_families import save_family
+    from engine.model.tiny_families import save_family
 
     save_family("gemma3", tmp_path)  # window 1,024: the 2,048-token prefix would not fit
     monkeypatch.setattr(engine_bench, "measure_read_bandwidth_gb_s", lambda: 10.0)

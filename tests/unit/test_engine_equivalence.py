@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from shared.sampling.params import SamplingParams
 from tests.reference import greedy_reference
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine, RequestError
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine, RequestError
 from shared.sampling.params import SamplingParamError, SamplingParams
 
 

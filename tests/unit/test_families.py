@@ -9,14 +9,12 @@ import random
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from services.bench.models_bench import hit_rate, replay_conversation
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.kvcache.pool import KVPool
-from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
-from shared.model.tiny_families import (
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.kvcache.pool import KVPool
+from engine.model.llama import LlamaModel
+from engine.model.loader import read_checkpoint
+from engine.model.tiny_families import (
     FAMILIES,
     VOCAB,
     WINDOW,
@@ -24,7 +22,9 @@ from shared.model.tiny_families import (
     reference_logits,
     save_family,
 )
+from kernels.attention_metadata import AttentionMetadata
 from shared.sampling.params import SamplingParams
+from tools.bench.models_bench import hit_rate, replay_conversation
 
 pytest.importorskip("transformers")
 
@@ -200,7 +200,7 @@ def test_sharded_folder_loads_through_its_index(tmp_path):
 def test_expert_load_is_exported_as_a_metric(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from shared.telemetry.engine_metrics import EngineMetrics
+    from services.worker.engine_metrics import EngineMetrics
 
     save_family("qwen3_moe", tmp_path)
     model = LlamaModel(read_checkpoint(tmp_path), weights="fp32")
@@ -341,7 +341,7 @@ def test_disaggregated_prefill_transfer_decode_equals_transformers(family, expec
 @pytest.mark.parametrize("name", ["gemma3", "mixtral"])
 def test_auto_format_chooser_measures_the_family(tmp_path, name):
     """`weights: auto` times torch formats only (the native step is Llama's alone)."""
-    from shared.model.formats import measure
+    from engine.model.formats import measure
 
     save_family(name, tmp_path)
     choice = measure(read_checkpoint(tmp_path), ["fp32", "native"])

@@ -13,14 +13,14 @@ import random
 import pytest
 import torch
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.kvcache.pool import KVPool
+from engine.model.llama import LlamaModel
+from engine.model.loader import read_checkpoint
+from engine.model.rope import inverse_frequencies
+from engine.model.tiny_families import VOCAB, reference_greedy, reference_logits, save_family
 from kernels.attention_metadata import AttentionMetadata
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.kvcache.pool import KVPool
-from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
-from shared.model.rope import inverse_frequencies
-from shared.model.tiny_families import VOCAB, reference_greedy, reference_logits, save_family
 from shared.modelfile.config import ModelConfig, ModelFileError
 from shared.sampling.params import SamplingParams
 from tests.gguf_convert import round_trip_q8_0, write_gguf

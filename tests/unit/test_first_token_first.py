@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.coordinator.retry import RetryLoop, RetryPolicy
-from services.decode.service import DecodeService
 from services.kvtransfer.control_client import KvTransferControlClient
 from services.kvtransfer.types import TransferError, TransferState
 from services.worker.arrivals import Stage
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from services.worker.decode import DecodeService
 from shared.proto_gen import worker_pb2 as pb
 from tests.unit.test_migration_backend import (
     PROMPT,

@@ -14,11 +14,11 @@ import functools
 
 import pytest
 
+from engine.core.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.coordinator.backend import GenerationChunk, GenerationRequest
 from services.coordinator.relay import ChoiceStreams, SSEResponse
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
 from shared.sampling.params import SamplingParams
 
 

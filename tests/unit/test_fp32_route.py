@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model import fp32_route
-from shared.model.linear import Linear
+from engine.model import fp32_route
+from engine.model.linear import Linear
 
 
 @pytest.fixture
@@ -230,9 +230,9 @@ def test_large_batches_and_unregistered_weights_take_linear(fresh_routes):
 def test_a_worker_routes_every_row_count_before_it_serves(fresh_routes, monkeypatch, tmp_path):
     """A decode replica's first verify step of a new batch size must not stall a live stream
     to time the GEMM calls: the runtime settles every count a step can have at start."""
+    from engine.model.tiny import tiny_checkpoint, write_hf_folder
     from services.worker.runtime import WorkerRuntime
     from shared.config.schema import parse_config
-    from shared.model.tiny import tiny_checkpoint, write_hf_folder
 
     passes = _fake_timing(monkeypatch, {"linear": 1.0, "weight-stationary": 2.0, "native": 3.0})
     folder = write_hf_folder(tiny_checkpoint(seed=0), tmp_path / "tiny")

@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from shared.model.gguf_dequant import dequantize_rows
+from engine.model.gguf_dequant import dequantize_rows
 from shared.modelfile.gguf_header import GGML_TYPES_BY_NAME
 
 

@@ -1,4 +1,4 @@
-"""A greedy row's token through the head's int8 twin (shared/model/greedy_head.py) is the full
+"""A greedy row's token through the head's int8 twin (engine/model/greedy_head.py) is the full
 exact logits' argmax, ties and near-ties included, and the engine takes it only for rows that
 read nothing else from their logits."""
 
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.model import greedy_head
+from engine.model.greedy_head import GreedyHead
+from engine.model.llama import LlamaModel
+from engine.model.native_step import NativeMatrix, int8_kinds, repack
+from engine.model.tiny import tiny_quantized_checkpoint
 from kernels.native import abi
 from kernels.native.build import load
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.model import greedy_head
-from shared.model.greedy_head import GreedyHead
-from shared.model.llama import LlamaModel
-from shared.model.native_step import NativeMatrix, int8_kinds, repack
-from shared.model.tiny import tiny_quantized_checkpoint
 from shared.sampling.params import SamplingParams
 
 VOCAB, HIDDEN = 3000, 160

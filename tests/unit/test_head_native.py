@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
-from shared.speculative.draft_model import BatchKV, gather_kv
-from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
-from shared.speculative.head_native import NativeHeadError, WeightFormat, quantize_q8_0
-from shared.speculative.head_proposer import HeadDraftProposer
-from shared.speculative.proposer import DraftRequest
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.speculative.draft_model import BatchKV, gather_kv
+from engine.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from engine.speculative.head_native import NativeHeadError, WeightFormat, quantize_q8_0
+from engine.speculative.head_proposer import HeadDraftProposer
+from engine.speculative.proposer import DraftRequest
 
 TOL = dict(atol=2e-4, rtol=2e-4)
 

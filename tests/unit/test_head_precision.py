@@ -9,22 +9,22 @@ import random
 
 import pytest
 
-from services.commands import draft_cmd
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
-from shared.sampling.params import SamplingParams
-from shared.speculative.draft_data import build_vocab, target_to_draft_map
-from shared.speculative.draft_train import TrainConfig
-from shared.speculative.head_file import read_head
-from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
-from shared.speculative.head_train import (
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.speculative.draft_data import build_vocab, target_to_draft_map
+from engine.speculative.draft_train import TrainConfig
+from engine.speculative.head_file import read_head
+from engine.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from engine.speculative.head_train import (
     HeadTrainConfig,
     choose_precision,
     target_states,
     train_head,
 )
+from shared.sampling.params import SamplingParams
 from tests.spec_helpers import motif_prompts
+from tools.commands import draft_cmd
 
 FINGERPRINT = "tiny-test-tokenizer"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -90,7 +90,7 @@ def test_a_hopeless_bf16_is_timed_once(conversations, monkeypatch):
 
     import torch
 
-    from shared.speculative import head_train
+    from engine.speculative import head_train
 
     config = _config()
     head, samples, to_head = _untrained(conversations, config)

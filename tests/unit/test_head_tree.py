@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model.tiny import TINY_CONFIG
-from shared.speculative.head_model import DraftHead, head_config
-from shared.speculative.head_proposer import HeadDraftProposer
-from shared.speculative.proposer import DraftRequest
-from shared.speculative.tree import accept_greedy
+from engine.model.tiny import TINY_CONFIG
+from engine.speculative.head_model import DraftHead, head_config
+from engine.speculative.head_proposer import HeadDraftProposer
+from engine.speculative.proposer import DraftRequest
+from engine.speculative.tree import accept_greedy
 
 VOCAB = 512
 ROOT = 0  # the token the target emitted last: the head's state after it predicts what follows

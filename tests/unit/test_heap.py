@@ -1,4 +1,4 @@
-"""Freed heap pages go back to the system after a model is built (shared/model/heap.py)."""
+"""Freed heap pages go back to the system after a model is built (engine/model/heap.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import platform
 import numpy as np
 import pytest
 
-from shared.model.heap import release_freed_memory
+from engine.model.heap import release_freed_memory
 
 
 def _rss_mib() -> float:

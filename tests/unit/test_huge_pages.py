@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.hostmem import huge_pages
-from shared.kvcache.pool import KVLayout, KVPool
+from engine.hostmem import huge_pages
+from engine.kvcache.pool import KVLayout, KVPool
 
 
 def test_a_large_tensor_is_zeroed_aligned_and_writable():

@@ -1,9 +1,19 @@
-"""Which package may import which, checked on the static import graph (tests/unit/import_graph).
+"""The layer rules, checked on the static import graph (tests/unit/import_graph).
 
-The rules keep the coordinator light (no torch, model, engine or worker code in its process),
-keep the prefill and decode roles independent, and keep `shared/` and `kernels/` below the
-services that use them. A failure names every offending import with its file and line, and for
-an indirect one the whole chain that leads there.
+Each top-level folder is one layer, and the rules are about folders:
+
+    tools/     benchmarks, tuner, profiler, the CLI      may import everything below
+    services/  what runs in a pod or a local process    never tools/
+    engine/    model, KV pool and KV tiers, sampling,   shared/ and kernels/, never a service
+               speculative decoding, the step loop
+    shared/    torch-free contracts every service uses  nothing of ours but shared/, no torch
+    kernels/   native and Triton kernels                nothing of ours
+
+Inside services/, the coordinator reaches only shared/ and the router (its process loads no
+torch, engine, kernels or worker code), the router only shared/, and the worker's prefill and
+decode roles never import each other. No two subpackages import each other, and neither do
+two folders of the coordinator. A failure names every offending import with its file and
+line, and for an indirect one the whole chain that leads there.
 """
 
 from __future__ import annotations
@@ -15,20 +25,28 @@ import pytest
 from tests.unit import import_graph
 from tests.unit.import_graph import Edge, ImportGraph, within
 
-# What the coordinator process must never load, directly or through anything it imports.
+# What each layer may never import, directly or through anything it imports.
+SHARED_FORBIDDEN = ("tools", "services", "engine", "kernels", "torch")
+ENGINE_FORBIDDEN = ("tools", "services")
+SERVICES_FORBIDDEN = ("tools",)
+KERNELS_FORBIDDEN = ("tools", "services", "engine", "shared")
+# The coordinator process: no torch, no engine, no kernels, no worker code (nor grammar
+# compilers or numpy): it starts in well under a second and stays small.
 COORDINATOR_FORBIDDEN = (
-    "services.prefill",
-    "services.decode",
-    "services.worker",
-    "services.worker_server",
-    "services.inprocess",
-    "shared.engine",
-    "shared.model",
-    "shared.grammar",
+    "tools",
+    "engine",
     "kernels",
+    "services.worker",
+    "services.kvtransfer",
+    "services.launcher",
+    "services.planner",
     "torch",
+    "numpy",
     "llguidance",
 )
+# The router is called in-process by the coordinator and by the tuner's simulator.
+ROUTER_FORBIDDEN = (*COORDINATOR_FORBIDDEN, "services.coordinator")
+COORDINATOR = "services.coordinator"
 
 
 @pytest.fixture(scope="module")
@@ -52,61 +70,90 @@ def _reachable_violations(graph: ImportGraph, sources: tuple[str, ...], banned) 
     return found
 
 
-def test_the_coordinator_never_reaches_engine_model_or_worker_code(graph):
-    offenders = _reachable_violations(graph, ("services.coordinator",), COORDINATOR_FORBIDDEN)
-    assert not offenders, "services.coordinator must stay torch-free:\n  " + "\n  ".join(offenders)
+@pytest.mark.parametrize(
+    ("layer", "banned"),
+    [
+        ("shared", SHARED_FORBIDDEN),
+        ("kernels", KERNELS_FORBIDDEN),
+        ("engine", ENGINE_FORBIDDEN),
+        ("services", SERVICES_FORBIDDEN),
+    ],
+)
+def test_each_layer_reaches_only_the_layers_below_it(graph, layer, banned):
+    offenders = _reachable_violations(graph, (layer,), banned)
+    assert not offenders, f"{layer}/ must not reach {banned}:\n  " + "\n  ".join(offenders)
+
+
+def test_nothing_in_shared_imports_torch(graph):
+    offenders = _reachable_violations(graph, ("shared",), ("torch",))
+    assert not offenders, "shared/ is torch-free:\n  " + "\n  ".join(offenders)
+
+
+def test_the_coordinator_reaches_only_shared_and_the_router(graph):
+    offenders = _reachable_violations(graph, (COORDINATOR,), COORDINATOR_FORBIDDEN)
+    assert not offenders, "services.coordinator must stay light:\n  " + "\n  ".join(offenders)
+
+
+def test_the_router_reaches_only_shared(graph):
+    offenders = _reachable_violations(graph, ("services.router",), ROUTER_FORBIDDEN)
+    assert not offenders, "services.router is plain code over states:\n  " + "\n  ".join(offenders)
 
 
 @pytest.mark.parametrize(
     ("role", "other"),
-    [("services.prefill", "services.decode"), ("services.decode", "services.prefill")],
+    [
+        ("services.worker.prefill", "services.worker.decode"),
+        ("services.worker.decode", "services.worker.prefill"),
+    ],
 )
 def test_prefill_and_decode_never_import_each_other(graph, role, other):
     offenders = _reachable_violations(graph, (role,), (other,))
     assert not offenders, f"{role} must not import {other}:\n  " + "\n  ".join(offenders)
 
 
-def _direct_violations(graph: ImportGraph, sources: tuple[str, ...], banned) -> list[str]:
-    return [
-        str(e)
-        for e in graph.all_edges()
-        if within(e.importer, sources) and within(e.target, banned)
-    ]
-
-
-def test_shared_imports_no_service(graph):
-    offenders = _direct_violations(graph, ("shared",), ("services",))
-    assert not offenders, "shared/ is below services/:\n  " + "\n  ".join(offenders)
-
-
-def test_kernels_import_neither_shared_nor_services(graph):
-    offenders = _direct_violations(graph, ("kernels",), ("shared", "services"))
-    assert not offenders, "kernels/ depends on nothing of ours:\n  " + "\n  ".join(offenders)
-
-
-def test_no_import_cycles_between_subpackages(graph):
+def _cycle_messages(graph: ImportGraph, component) -> list[str]:
     messages = []
-    for members in import_graph.cycles(graph):
+    for members in import_graph.cycles(graph, component):
         crossing = sorted(
             {
                 str(e)
                 for e in graph.all_edges()
                 if e.target in graph.modules
-                and import_graph.component(e.importer) in members
-                and import_graph.component(e.target) in members
-                and import_graph.component(e.importer) != import_graph.component(e.target)
+                and component(e.importer) in members
+                and component(e.target) in members
+                and component(e.importer) != component(e.target)
             }
         )
         messages.append(f"{' <-> '.join(members)}:\n      " + "\n      ".join(crossing))
+    return messages
+
+
+def test_no_import_cycles_between_subpackages(graph):
+    messages = _cycle_messages(graph, import_graph.component)
     assert not messages, "import cycles between subpackages:\n  " + "\n  ".join(messages)
+
+
+def test_the_coordinator_folders_follow_the_request_path_without_cycles(graph):
+    def folder(module: str) -> str:
+        # services.coordinator.api.app -> services.coordinator.api; a module at the
+        # coordinator's root is a unit of its own.
+        return ".".join(module.split(".")[:3])
+
+    inside = import_graph.ImportGraph(
+        {m: p for m, p in graph.modules.items() if within(m, (COORDINATOR,))},
+        {m: e for m, e in graph.edges.items() if within(m, (COORDINATOR,))},
+    )
+    messages = _cycle_messages(inside, folder)
+    assert not messages, "import cycles between coordinator folders:\n  " + "\n  ".join(messages)
 
 
 def test_the_graph_sees_the_project(graph):
     # A graph that silently lost its files or edges would pass every rule above.
-    assert "services.coordinator.app" in graph.modules
-    assert "shared.engine.engine" in graph.modules
-    targets = {e.target for e in graph.imports_of("shared.engine.engine")}
-    assert {"torch", "shared.engine", "shared.kvcache.block_manager"} <= targets
+    assert "services.coordinator.main" in graph.modules
+    assert "engine.core.engine" in graph.modules
+    assert "tools.cli" in graph.modules
+    targets = {e.target for e in graph.imports_of("engine.core.engine")}
+    assert {"torch", "engine.core", "engine.kvcache.block_manager"} <= targets
 
 
 # -- the analysis itself, on a made-up tree -------------------------------------------------

@@ -14,14 +14,14 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.kvcache.pool import KVLayout, KVPool
 from services.coordinator.registry import WorkerRegistry
 from services.coordinator.registry_service import RegistryService
 from services.kvtransfer import wire
 from services.kvtransfer.tcp import TcpTransferBackend
 from services.kvtransfer.types import TransferState
-from services.worker_server.health import WorkerHealth
+from services.worker.health import WorkerHealth
 from shared.config.schema import ConfigError, parse_config
-from shared.kvcache.pool import KVLayout, KVPool
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.rpc.auth import InternalAuth, read_token

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launcher.internal_tls import DeploymentCA, IssuedCertificate, with_internal_tls
 from services.launcher.ports import pick_free_ports
-from services.worker_server.health import WorkerHealth
+from services.worker.health import WorkerHealth
 from shared.config.schema import ConfigError, parse_config
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
@@ -220,7 +220,7 @@ def test_a_worker_with_a_missing_certificate_stops_at_start_naming_it(tmp_path, 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({"internal_auth": {"tls": {**tls, "key_file": p["key"]}}}))
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "prefill", "--config", str(path)],
+        [sys.executable, "-m", "tools.cli", "serve", "prefill", "--config", str(path)],
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.tables import BlockTable
 from services.worker.arrivals import KVArrivals, Stage
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.tables import BlockTable
 
 NUM_BLOCKS = 16
 BLOCK_SIZE = 4

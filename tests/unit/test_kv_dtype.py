@@ -6,12 +6,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.kvcache import kv_dtype
+from engine.model.llama import LlamaModel
+from engine.model.tiny import tiny_checkpoint
 from shared.config.schema import WorkerConfig
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.kvcache import kv_dtype
-from shared.model.llama import LlamaModel
-from shared.model.tiny import tiny_checkpoint
 
 
 def test_named_dtypes_are_taken_as_given():

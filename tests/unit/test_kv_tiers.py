@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.events import KVEvent, KVEventLog
-from shared.kvcache.hashing import hash_prompt_blocks
-from shared.kvcache.host_kv_tier import DiskKVTier, HostKVTier
-from shared.kvcache.pool import KVLayout, KVPool
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.host_kv_tier import DiskKVTier, HostKVTier
+from engine.kvcache.pool import KVLayout, KVPool
+from shared.kvblocks.events import KVEvent, KVEventLog
+from shared.kvblocks.hashing import hash_prompt_blocks
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 SALT = b"test-model"
@@ -222,7 +222,7 @@ def test_a_failing_disk_drops_blocks_instead_of_failing(tmp_path, monkeypatch):
     def disk_full(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("shared.kvcache.disk_kv_tier.os.replace", disk_full)
+    monkeypatch.setattr("engine.kvcache.disk_kv_tier.os.replace", disk_full)
     host.store([1, 2], data)  # storing 2 evicts 1, whose spill to disk fails
     assert host.locate(1) is None and host.locate(2) == "host"
     assert host.stats.evicted_blocks == 1 and host.stats.spilled_blocks == 0

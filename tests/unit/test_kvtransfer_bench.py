@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.kvtransfer.bench import format_report, run_transfer_bench
-from services.kvtransfer.peer_process import alarm_after
+from tools.bench.transfer_bench import format_report, run_transfer_bench
+from tools.bench.transfer_peer import alarm_after
 
 
 def test_bench_reports_backend_and_memcpy_figures():

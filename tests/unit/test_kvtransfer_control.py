@@ -10,6 +10,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.pool import KVLayout, KVPool
 from services.kvtransfer.blockbytes import byte_view
 from services.kvtransfer.control import (
     BlocksUnavailable,
@@ -23,11 +25,9 @@ from services.kvtransfer.control_client import (
 )
 from services.kvtransfer.fake import FakeFabric, FakeTransferBackend
 from services.kvtransfer.interface import TransferBackend
-from services.kvtransfer.peer_process import alarm_after
 from services.kvtransfer.tcp import TcpTransferBackend
 from services.kvtransfer.types import AgentMetadata, TransferState
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.pool import KVLayout, KVPool
+from tools.bench.transfer_peer import alarm_after
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
 NUM_BLOCKS = 16

@@ -9,13 +9,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.pool import KVLayout, KVPool
 from services.kvtransfer.blockbytes import byte_view
 from services.kvtransfer.fake import FakeFabric, FakeFaults, FakeTransferBackend
-from services.kvtransfer.peer_process import alarm_after
 from services.kvtransfer.session import TransferSession
 from services.kvtransfer.types import TransferError, TransferState
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.pool import KVLayout, KVPool
+from tools.bench.transfer_peer import alarm_after
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
 NUM_BLOCKS = 24

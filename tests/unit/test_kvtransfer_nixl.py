@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
+from engine.kvcache.pool import KVLayout
 from services.kvtransfer.nixl import NixlTransferBackend, NixlUnavailableError, nixl_import_error
-from services.kvtransfer.peer_process import PeerProcess, PeerSpec, alarm_after
-from shared.kvcache.pool import KVLayout
+from tools.bench.transfer_peer import PeerProcess, PeerSpec, alarm_after
 
 NIXL_IMPORT_ERROR = nixl_import_error()
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.kvtransfer.peer_process import PeerProcess, PeerSpec, alarm_after
+from engine.kvcache.pool import KVLayout
 from services.kvtransfer.types import AgentMetadata, BlockDescriptor, ReceiveDescriptors
-from shared.kvcache.pool import KVLayout
+from tools.bench.transfer_peer import PeerProcess, PeerSpec, alarm_after
 
 # 1 MiB blocks; 64 of them outgrow loopback socket buffers many times over.
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.bfloat16)

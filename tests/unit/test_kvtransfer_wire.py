@@ -7,10 +7,10 @@ import socket
 import pytest
 import torch
 
+from engine.kvcache.pool import KVLayout
 from services.kvtransfer import wire
 from services.kvtransfer.blockbytes import Run, byte_view, copy_runs, runs
 from services.kvtransfer.shm_pool import SharedKVPool
-from shared.kvcache.pool import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=2, dtype=torch.bfloat16)
 

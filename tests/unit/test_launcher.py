@@ -409,7 +409,7 @@ def test_service_specs_start_the_coordinator_then_every_worker(tmp_path):
     assert list(specs[0].argv) == [
         PY,
         "-m",
-        "services.cli",
+        "tools.cli",
         "serve",
         "coordinator",
         "--config",

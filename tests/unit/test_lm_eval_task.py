@@ -8,10 +8,10 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from shared.quality.piqa import load_piqa
+from engine.quality.piqa import load_piqa
 
 ROOT = Path(__file__).resolve().parents[2]
-TASK = ROOT / "shared" / "quality" / "lm_eval" / "piqa_local.yaml"
+TASK = ROOT / "engine" / "quality" / "lm_eval" / "piqa_local.yaml"
 
 
 def test_task_reads_the_bundled_items_with_the_harness_prompt():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from engine.model.tiny import tiny_checkpoint, write_hf_folder
 from services.coordinator.backend import (
     BackendError,
     GenerationChunk,
@@ -20,16 +21,15 @@ from services.coordinator.backend import (
 from services.coordinator.grpc_backend import GrpcBackend
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.retry import RetryLoop, RetryPolicy
-from services.decode.service import DecodeTransferControl
 from services.kvtransfer.control import add_control_servicer
+from services.worker.decode import DecodeTransferControl
 from services.worker.runtime import WorkerRuntime
-from services.worker_server.server import WorkerServicer
+from services.worker.server import WorkerServicer
+from services.worker.telemetry import WorkerTelemetry
 from shared.config.schema import DeploymentConfig, parse_config
-from shared.model.tiny import tiny_checkpoint, write_hf_folder
 from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.sampling.params import SamplingParams
-from shared.telemetry.worker_telemetry import WorkerTelemetry
 from shared.wire.convert import params_to_proto
 
 MODEL = "tiny"

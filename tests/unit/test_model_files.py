@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.model.gguf_file import read_gguf
-from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
-from shared.model.tiny import tiny_checkpoint, write_hf_folder
+from engine.model.gguf_file import read_gguf
+from engine.model.llama import LlamaModel
+from engine.model.loader import read_checkpoint
+from engine.model.tiny import tiny_checkpoint, write_hf_folder
 from shared.modelfile.config import ModelFileError
 from tests.reference import dense_logits
 

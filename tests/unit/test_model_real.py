@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.kvcache.pool import KVPool
 from kernels.attention_metadata import AttentionMetadata
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.kvcache.pool import KVPool
 from shared.sampling.params import SamplingParams
 from tests.reference import greedy_reference
 
@@ -132,7 +132,7 @@ def test_engine_greedy_equals_reference_alone_and_batched(real_model, real_token
 @pytest.mark.real_model
 def test_int4_reuses_the_files_own_quantization(real_checkpoint):
     """Q4_1 blocks map exactly onto the int4 kernel: only bf16 rounding separates the two."""
-    from shared.model.linear import Linear
+    from engine.model.linear import Linear
 
     name = "layers.0.gate_proj"
     weight = real_checkpoint.tensors[name]

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from shared.model.linear import Linear
-from shared.model.llama import LlamaModel, NativeUnavailable
-from shared.model.moe import SparseMLP, gated_mlp
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.model.linear import Linear
+from engine.model.llama import LlamaModel, NativeUnavailable
+from engine.model.moe import SparseMLP, gated_mlp
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint
 from shared.modelfile.config import ModelFileError, RopeScaling
 from shared.modelfile.families.registry import FAMILIES, family_for_hf
 from shared.modelfile.hf_config import read_hf_config
@@ -149,8 +149,8 @@ def test_grouped_experts_equal_a_per_token_loop_and_count_load():
 
 
 def test_format_chooser_slices_per_layer_switches_with_the_layers():
-    from shared.model.formats import _slice
-    from shared.model.gguf_file import Checkpoint
+    from engine.model.formats import _slice
+    from engine.model.gguf_file import Checkpoint
     from shared.modelfile.config import MoEConfig
 
     moe = MoEConfig(4, 2, 16, True, sparse_layers=(True, False, True))

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.kvcache.pool import KVPool
+from engine.model.llama import LlamaModel
+from engine.model.native_step import NativeMatrix, NativeStep, NativeStepError, int8_kinds, repack
+from engine.model.tiny import tiny_checkpoint, tiny_quantized_checkpoint
 from kernels.attention_metadata import AttentionMetadata
 from kernels.native import abi
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.kvcache.pool import KVPool
-from shared.model.llama import LlamaModel
-from shared.model.native_step import NativeMatrix, NativeStep, NativeStepError, int8_kinds, repack
-from shared.model.tiny import tiny_checkpoint, tiny_quantized_checkpoint
 from shared.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -459,7 +459,7 @@ def test_no_compiler_means_no_native_step_and_a_reason(monkeypatch):
     model = LlamaModel(ck, weights="fp32")
     step, reason = NativeStep.create(ck, model.embed_tokens, model.rope.cos, model.rope.sin)
     assert step is None and "SPLITSERVE_NATIVE=0" in reason
-    from shared.model.llama import NativeUnavailable
+    from engine.model.llama import NativeUnavailable
 
     with pytest.raises(NativeUnavailable, match="SPLITSERVE_NATIVE"):
         LlamaModel(ck, weights="native")

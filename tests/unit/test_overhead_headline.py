@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from services.bench.overhead_bench import _cpu_ms_per_request, _headline, p50_delta_ci95, table_rows
-from services.commands.trace_cmd import add_bench
+from tools.bench.overhead_bench import _cpu_ms_per_request, _headline, p50_delta_ci95, table_rows
+from tools.commands.trace_cmd import add_bench
 
 
 def _mode(tok_s: float, loaded_ttft: float, unloaded_ttft: float, cpu_ms: float) -> dict:

@@ -7,9 +7,14 @@ import argparse
 
 import pytest
 
-from services.commands.planner_cmd import _capacities
 from services.planner.capacity import capacities
-from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
+from services.planner.replica_profile import (
+    DecodeModel,
+    PrefillModel,
+    ReplicaProfile,
+    TransferModel,
+)
+from tools.commands.planner_cmd import _capacities
 
 
 def make_profile(kv_capacity: int = 100_000) -> ReplicaProfile:

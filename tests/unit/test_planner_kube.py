@@ -19,11 +19,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.commands import planner_cmd
 from services.coordinator.metrics import APIMetrics
 from services.planner.decide import Policy
 from services.planner.kube import KubeScaler, ScaleAPIError
 from services.planner.loop import Planner, PlannerConfig, http_metrics
+from tools.commands import planner_cmd
 
 SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
 NS = "serving"

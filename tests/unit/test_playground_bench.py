@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import services.bench.playground_bench as bench
-from services.bench.playground_bench import MODES, order, poll_fleet, round_ratios, table_rows
-from services.commands.trace_cmd import add_bench
+import tools.bench.playground_bench as bench
 from services.coordinator.app import create_app
 from services.coordinator.fleet import FleetView
 from services.coordinator.playground import PlaygroundSources
@@ -16,6 +14,8 @@ from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
 from shared.config.schema import DeploymentConfig
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
+from tools.bench.playground_bench import MODES, order, poll_fleet, round_ratios, table_rows
+from tools.commands.trace_cmd import add_bench
 
 MODEL = "SmolLM2-135M-Instruct"
 

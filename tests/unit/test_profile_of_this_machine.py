@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.profiler import local
-from services.profiler.costmodel import load_profile
-from services.tuner import bench
-from services.tuner.basis import profile_basis
-from services.tuner.cli_run import default_profile_path
+from services.planner.replica_profile import load_profile
+from tools.profiler import local
+from tools.tuner import bench
+from tools.tuner.basis import profile_basis
+from tools.tuner.cli_run import default_profile_path
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_a_cached_profile_with_this_signature_is_used(cache_home, monkeypatch):
     def no_measuring(**_):
         raise AssertionError("measured although a profile of this machine is cached")
 
-    monkeypatch.setattr("services.profiler.run.run_profile", no_measuring)
+    monkeypatch.setattr("tools.profiler.run.run_profile", no_measuring)
     profile, stored, cached = local.profile_of_this_machine("auto", 1, quick=True)
     assert cached and stored == str(path)
     assert profile.decode == shipped.decode
@@ -44,7 +44,7 @@ def test_without_a_cached_profile_one_is_measured_and_cached(cache_home, monkeyp
         calls.append(kwargs)
         return shipped
 
-    monkeypatch.setattr("services.profiler.run.run_profile", fake_measure)
+    monkeypatch.setattr("tools.profiler.run.run_profile", fake_measure)
     _, stored, cached = local.profile_of_this_machine("auto", 1, quick=True)
     assert not cached and calls == [
         {"weights": "auto", "model_path": None, "threads": 1, "quick": True}
@@ -80,9 +80,9 @@ def test_a_change_to_the_native_kernels_is_another_profile(cache_home, monkeypat
 def test_the_profiler_chooses_auto_formats_for_the_kv_type_replicas_serve(monkeypatch):
     # `auto` times formats over the pool they will read; the profile must time the choice
     # made for the served KV type (fp16 here), not for the fp32 default of the loader.
-    from services.profiler.run import run_profile
+    from engine.kvcache.kv_dtype import resolve_kv_dtype
     from shared.config import engine_defaults
-    from shared.kvcache.kv_dtype import resolve_kv_dtype
+    from tools.profiler.run import run_profile
 
     seen = {}
 
@@ -93,7 +93,7 @@ def test_the_profiler_chooses_auto_formats_for_the_kv_type_replicas_serve(monkey
         seen.update(weights=weights, kv_dtype=kv_dtype)
         raise Stop
 
-    monkeypatch.setattr("shared.engine.model_setup.load_serving_model", loader)
+    monkeypatch.setattr("engine.core.model_setup.load_serving_model", loader)
     with pytest.raises(Stop):
         run_profile(weights="auto", threads=1, quick=True, progress=lambda _: None)
     served, _ = resolve_kv_dtype(engine_defaults.KV_CACHE_DTYPE)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.profiler.analytic import AnalyticModel, Efficiency, Grid, Machine, build_profile
-from services.profiler.analytic_cpu import CpuPeaks, calibrate
-from services.profiler.analytic_gpu import gpu_profile
-from services.profiler.costmodel import ProfileError, ReplicaProfile, TransferModel
-from services.profiler.model_shape import ModelShape, read_model_shape
-from services.profiler.roofline import (
+from services.planner.replica_profile import ProfileError, ReplicaProfile, TransferModel
+from tools.profiler.analytic import AnalyticModel, Efficiency, Grid, Machine, build_profile
+from tools.profiler.analytic_cpu import CpuPeaks, calibrate
+from tools.profiler.analytic_gpu import gpu_profile
+from tools.profiler.model_shape import ModelShape, read_model_shape
+from tools.profiler.roofline import (
     Precision,
     decode_step_cost,
     kv_bytes_per_token,
@@ -23,7 +23,7 @@ from services.profiler.roofline import (
     step_cost,
 )
 
-CONFIGS = Path(__file__).resolve().parents[2] / "services" / "tuner" / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "tools" / "tuner" / "data" / "configs"
 BF16 = Precision(weight_bytes=2.0, kv_bytes=2.0)
 
 # hidden 64, 2 layers, 4 query heads and 2 KV heads of 16, MLP 128, vocab 1000, untied head.

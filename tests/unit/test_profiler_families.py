@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from services.profiler.fit import fit_decode, fit_prefill
-from services.profiler.measure import measure_decode, measure_prefill
-from services.profiler.model_shape import ModelShape, read_model_shape
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
-from shared.model.tiny_families import FAMILIES, save_family
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.model.llama import LlamaModel
+from engine.model.loader import read_checkpoint
+from engine.model.tiny_families import FAMILIES, save_family
 from tests.gguf_convert import write_gguf
+from tools.profiler.fit import fit_decode, fit_prefill
+from tools.profiler.measure import measure_decode, measure_prefill
+from tools.profiler.model_shape import ModelShape, read_model_shape
 
 pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.profiler.costmodel import (
+from services.planner.replica_profile import (
     DecodeModel,
     PrefillModel,
     ProfileError,
@@ -17,7 +17,7 @@ from services.profiler.costmodel import (
     load_profile,
     prefill_alone_ms,
 )
-from services.profiler.fit import (
+from tools.profiler.fit import (
     DecodePoint,
     PrefillPoint,
     TransferPoint,
@@ -121,7 +121,7 @@ def test_bad_profiles_are_refused_with_the_field(tmp_path):
 
 
 def test_the_shipped_default_profile_loads():
-    from services.tuner.cli_run import default_profile_path
+    from tools.tuner.cli_run import default_profile_path
 
     profile = load_profile(default_profile_path())
     assert profile.meta["machine"]["measured_at"]

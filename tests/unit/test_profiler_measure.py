@@ -3,10 +3,10 @@ and the measured points feed the fits."""
 
 from __future__ import annotations
 
-from services.profiler.fit import fit_decode, fit_prefill
-from services.profiler.measure import measure_decode, measure_prefill
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from tools.profiler.fit import fit_decode, fit_prefill
+from tools.profiler.measure import measure_decode, measure_prefill
 
 
 def _engine(model) -> Engine:
@@ -37,7 +37,7 @@ def test_decode_points_run_whole_batches_without_prefilling_them(tiny_model):
 
 
 def test_each_decode_point_keeps_its_least_disturbed_round(tiny_model, monkeypatch):
-    from services.profiler import measure
+    from tools.profiler import measure
 
     # Round 1 is slow for batch 1, round 2 for batch 4: each point keeps the fast one.
     slow = iter([True, False, False, True])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.profiler.signature import (
+from tools.profiler.signature import (
     HardwareSignature,
     differences,
     mismatch_report,

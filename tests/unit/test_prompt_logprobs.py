@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.sequence import Sequence
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.sequence import Sequence
 from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
 from tests.reference import dense_logits

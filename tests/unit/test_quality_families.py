@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
-from shared.model.tiny_families import FAMILIES, VOCAB, reference_logits, save_family
-from shared.quality.cli import add_eval_command, run_eval
-from shared.quality.forward import BranchedSequence, forward_hidden, head_logits
+from engine.model.llama import LlamaModel
+from engine.model.loader import read_checkpoint
+from engine.model.tiny_families import FAMILIES, VOCAB, reference_logits, save_family
+from engine.quality.cli import add_eval_command, run_eval
+from engine.quality.forward import BranchedSequence, forward_hidden, head_logits
 
 pytest.importorskip("transformers")
 

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from shared.model.gguf_file import Checkpoint
-from shared.model.llama import LlamaModel
-from shared.quality import (
+from engine.model.gguf_file import Checkpoint
+from engine.model.llama import LlamaModel
+from engine.quality import (
     MAX_PIQA_DELTA_POINTS,
     MIN_TOP1_AGREEMENT,
     GateReport,
@@ -24,13 +24,13 @@ from shared.quality import (
     model_fingerprint,
     require_gate,
 )
-from shared.quality.agreement import load_agreement_texts
-from shared.quality.cli import add_eval_command, parse_weights, run_eval
-from shared.quality.evaluate import EvalPath, EvalSet, compare_runs, evaluate_build, run_build
-from shared.quality.forward import BranchedSequence, forward_hidden
-from shared.quality.paired import compare_paired
-from shared.quality.piqa import encode_item, load_piqa, score_piqa
-from shared.quality.require import eligible_formats
+from engine.quality.agreement import load_agreement_texts
+from engine.quality.cli import add_eval_command, parse_weights, run_eval
+from engine.quality.evaluate import EvalPath, EvalSet, compare_runs, evaluate_build, run_build
+from engine.quality.forward import BranchedSequence, forward_hidden
+from engine.quality.paired import compare_paired
+from engine.quality.piqa import encode_item, load_piqa, score_piqa
+from engine.quality.require import eligible_formats
 from tests.reference import dense_logits
 
 SLICE_ITEMS = 20

@@ -20,7 +20,7 @@ from services.worker.coordinators import resolve_registries
 from services.worker.registration import RegistrationRefused
 from services.worker.registrations import Registrations
 from shared.config.schema import ConfigError, parse_config
-from shared.kvcache.events import KVEvent
+from shared.kvblocks.events import KVEvent
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from shared.rpc.auth import InternalAuth
 from shared.wire.records import WorkerLoad

@@ -8,7 +8,7 @@ from services.coordinator.fleet_readiness import fleet_readiness
 from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerRegistry
 from services.coordinator.routing import choose_pair
 from shared.config.schema import parse_config
-from shared.kvcache.events import KVEvent
+from shared.kvblocks.events import KVEvent
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from services.commands import router_cmd
-from services.tuner import router_bench
-from services.tuner.cli_run import load_profile_or_default
-from services.tuner.trace import load_trace
+from tools.commands import router_cmd
+from tools.tuner import router_bench
+from tools.tuner.cli_run import load_profile_or_default
+from tools.tuner.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "traces" / "mooncake_conversation_trace.jsonl"
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.router.index import KVIndex, PrefixHit
-from shared.kvcache.events import KVEvent
+from shared.kvblocks.events import KVEvent
 
 REPLICAS = ("r0", "r1", "r2")
 KV_TIERS = ("device", "host", "disk")

@@ -10,8 +10,8 @@ import pytest
 from services.coordinator.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.routing import choose_pair
 from shared.config.schema import parse_config
-from shared.kvcache.events import KVEvent
-from shared.kvcache.hashing import hash_prompt_blocks
+from shared.kvblocks.events import KVEvent
+from shared.kvblocks.hashing import hash_prompt_blocks
 from shared.wire.records import WorkerLoad
 
 MODEL = "SmolLM2-135M-Instruct"

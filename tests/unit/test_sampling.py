@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from shared.sampling import truncation
-from shared.sampling.batch import SamplingBatch, make_generator
+from engine.sampling import truncation
+from engine.sampling.batch import SamplingBatch, make_generator
+from engine.sampling.penalties import apply_penalties
+from engine.sampling.sampler import Sampler, probabilities
+from engine.sampling.truncation import apply_top_k_top_p_min_p
 from shared.sampling.params import SamplingParamError, SamplingParams
-from shared.sampling.penalties import apply_penalties
-from shared.sampling.sampler import Sampler, probabilities
-from shared.sampling.truncation import apply_top_k_top_p_min_p
 
 VOCAB = 37  # odd on purpose
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from services.bench import serve_bench as sb
-from services.bench.load import RequestTiming
-from services.commands import bench_cmd
+from tools.bench import serve_bench as sb
+from tools.bench.load import RequestTiming
+from tools.commands import bench_cmd
 
 
 def _ok(kind: str, ttft: float, itl: list[float], e2e: float) -> RequestTiming:
@@ -269,7 +269,7 @@ def test_memory_of_named_processes():
 def test_kv_capacity_readings(gguf_path):
     import torch
 
-    from shared.kvcache.pool import KVLayout
+    from engine.kvcache.pool import KVLayout
     from shared.modelfile.gguf_meta import read_gguf_config
 
     page = (

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.simulated_users import follow_ups, user_opening
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from shared.sampling.params import SamplingParams
+from tools.bench.simulated_users import follow_ups, user_opening
 
 HISTORIES = [
     [

@@ -7,20 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.profiler.costmodel import (
+from services.planner.replica_profile import (
     DecodeModel,
     PrefillModel,
     ReplicaProfile,
     TransferModel,
     prefill_alone_ms,
 )
-from services.tuner.fleet import FleetConfig
-from services.tuner.prefix_cache import PrefixCache
-from services.tuner.simulator import simulate
-from services.tuner.stepmath import run_ms, steps_to_reach, steps_within
-from services.tuner.synthetic import poisson_trace, uniform_trace
-from services.tuner.trace import Trace
 from shared.config.router import RouterConfig
+from tools.tuner.fleet import FleetConfig
+from tools.tuner.prefix_cache import PrefixCache
+from tools.tuner.simulator import simulate
+from tools.tuner.stepmath import run_ms, steps_to_reach, steps_within
+from tools.tuner.synthetic import poisson_trace, uniform_trace
+from tools.tuner.trace import Trace
 
 PREFILL = PrefillModel(5.0, 1.0, 0.001)
 DECODE = DecodeModel(3.0, 1.0, 0.01)

@@ -8,8 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
-from services.tuner.colocation import (
+from services.planner.replica_profile import (
+    DecodeModel,
+    PrefillModel,
+    ReplicaProfile,
+    TransferModel,
+)
+from tools.tuner.colocation import (
     Colocation,
     _overlap,
     _union,
@@ -17,9 +22,9 @@ from services.tuner.colocation import (
     busy_overlap,
     simulate_colocated,
 )
-from services.tuner.fleet import FleetConfig
-from services.tuner.simulator import simulate
-from services.tuner.trace import Trace
+from tools.tuner.fleet import FleetConfig
+from tools.tuner.simulator import simulate
+from tools.tuner.trace import Trace
 
 # A prefill step costs 1 ms whatever it holds; a decode step 3 ms + 1 ms per sequence.
 PREFILL = PrefillModel(1.0, 0.0, 0.0)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.sampling.params import SamplingParams
-from shared.speculative.adaptive import (
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.speculative.adaptive import (
     AcceptanceTracker,
     Candidate,
     StepCostModel,
     choose_k,
     expected_tokens,
 )
-from shared.telemetry.engine_metrics import EngineMetrics
+from services.worker.engine_metrics import EngineMetrics
+from shared.sampling.params import SamplingParams
 from tests.spec_helpers import OracleProposer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import spec_bench
+from tools.bench import spec_bench
 
 
 @pytest.fixture

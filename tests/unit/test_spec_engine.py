@@ -8,13 +8,13 @@ import asyncio
 import pytest
 import torch
 
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.core.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint
+from engine.speculative.draft_model import model_from_checkpoint
+from engine.speculative.draft_proposer import ModelDraftProposer
 from shared.sampling.params import SamplingParams
-from shared.speculative.draft_model import model_from_checkpoint
-from shared.speculative.draft_proposer import ModelDraftProposer
 from tests.spec_helpers import OracleProposer, checked_run, motif_prompts, pin_step_costs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

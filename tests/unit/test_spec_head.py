@@ -12,23 +12,22 @@ from collections import Counter
 import pytest
 import torch
 
-from services.commands import draft_cmd
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.engine.speculator import MERGED, PRIOR_RIDE_GAIN, RIDE
-from shared.model.llama import LlamaModel
-from shared.model.loader import read_checkpoint
-from shared.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.speculator import MERGED, PRIOR_RIDE_GAIN, RIDE
+from engine.model.llama import LlamaModel
+from engine.model.loader import read_checkpoint
+from engine.model.tiny import TINY_CONFIG, tiny_checkpoint, write_hf_folder
+from engine.speculative.draft_model import BatchKV, model_from_checkpoint
+from engine.speculative.head_file import read_head
+from engine.speculative.head_load import load_head_proposer
+from engine.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
+from engine.speculative.head_proposer import HeadDraftProposer
+from engine.speculative.head_train import HeadTrainConfig, train_head
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import DraftRequest
 from shared.sampling.params import SamplingParams
-from shared.speculative.draft_model import BatchKV, model_from_checkpoint
-from shared.speculative.head_file import read_head
-from shared.speculative.head_load import load_head_proposer
-from shared.speculative.head_model import DraftHead, head_config, init_head_from_checkpoint
-from shared.speculative.head_proposer import HeadDraftProposer
-from shared.speculative.head_train import HeadTrainConfig, train_head
-from shared.speculative.ngram import NgramProposer
-from shared.speculative.proposer import DraftRequest
-from shared.speculative.training_log import LoggedTurn, TrainingLogWriter
+from shared.training_log import LoggedTurn, TrainingLogWriter
 from tests.spec_helpers import (
     checked_run,
     motif_prompts,
@@ -44,6 +43,7 @@ from tests.unit.test_spec_sampling import (
     _exact_joint,
     sampling_engine,
 )
+from tools.commands import draft_cmd
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 FINGERPRINT = "tiny-test-tokenizer"
@@ -501,7 +501,7 @@ def test_a_doubtful_chain_stops_early_and_the_output_stays_plain(
 
 
 def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
-    from shared.engine.speculator_build import load_draft_file
+    from engine.core.speculator_build import load_draft_file
 
     config = EngineConfig(
         num_blocks=64,
@@ -527,7 +527,7 @@ def test_the_configured_confidence_reaches_a_loaded_head(tiny_model, head_file):
 
 
 def test_the_serving_path_teaches_the_same_states_and_labels_every_position(tiny_model, plain):
-    from shared.speculative.head_train import target_states
+    from engine.speculative.head_train import target_states
 
     prompts, replies = plain
     conversations = [(p + r, len(p)) for p, r in zip(prompts[:3], replies[:3], strict=True)]
@@ -559,7 +559,7 @@ def test_a_resent_conversation_shares_its_states_and_they_equal_a_fresh_computat
     """A chat's next turn resends the last one whole: its shared positions' states come from
     the turn before (their KV kept in the pool), the rest are computed, and every state equals
     what the conversation computed on its own gives."""
-    from shared.speculative.head_train import target_states
+    from engine.speculative.head_train import target_states
 
     prompts, replies = plain
     first = (prompts[0] + replies[0], len(prompts[0]))
@@ -597,8 +597,8 @@ def _chat(root: int, turns: int) -> list[tuple[list[int], int]]:
 
 
 def test_turns_group_into_chats_in_order_and_the_chats_come_in_drawn_order():
-    from shared.speculative.head_train import prefix_order
-    from shared.speculative.training_log import group_chats
+    from engine.speculative.head_train import prefix_order
+    from shared.training_log import group_chats
 
     chats = [_chat(root, 3) for root in range(1, 9)]
     chats.append([([1, 1, 7, 8], 3)])  # shares a start with chat 1 but resends none of it
@@ -616,7 +616,7 @@ def test_turns_group_into_chats_in_order_and_the_chats_come_in_drawn_order():
 
 
 def test_a_chat_is_held_out_whole_so_no_held_out_reply_is_trained_on():
-    from shared.speculative.training_log import is_heldout, split_heldout
+    from shared.training_log import is_heldout, split_heldout
 
     chats = [_chat(root, 3) for root in range(1, 41)]
     held, train = split_heldout([t for c in chats for t in c], 0.3)

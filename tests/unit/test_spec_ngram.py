@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from shared.speculative.ngram import NgramProposer
-from shared.speculative.proposer import DraftRequest
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import DraftRequest
 
 
 def _propose(proposer: NgramProposer, tokens: list[int], k: int, rid: str = "r") -> list[int]:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.bench.spec_bench import load_prompt_sets
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.speculative.draft_file import draft_path_for
+from engine.speculative.draft_model import model_from_checkpoint
+from engine.speculative.draft_proposer import ModelDraftProposer, load_draft_proposer
 from shared.sampling.params import SamplingParams
-from shared.speculative.draft_file import draft_path_for
-from shared.speculative.draft_model import model_from_checkpoint
-from shared.speculative.draft_proposer import ModelDraftProposer, load_draft_proposer
 from tests.spec_helpers import pin_step_costs
+from tools.bench.spec_bench import load_prompt_sets
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=32)
 B1_PROMPTS = 2
@@ -80,7 +80,7 @@ def test_greedy_equals_plain_decoding(
 def test_bench_spec_serves_auto_weights_as_a_pool_does():
     """`bench spec --weights auto` measures the formats `auto` chooses here (it used to hand
     'auto' to the model loader, which refused it with a traceback)."""
-    from services.bench import spec_bench
+    from tools.bench import spec_bench
 
     result = spec_bench.run(
         weights="auto",

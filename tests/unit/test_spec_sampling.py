@@ -8,11 +8,11 @@ from collections import Counter
 
 import torch
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.sampling.batch import SamplingBatch
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.sampling.batch import SamplingBatch
+from engine.sampling.sampler import probabilities
 from shared.sampling.params import SamplingParams
-from shared.sampling.sampler import probabilities
 from tests.reference import dense_logits
 from tests.spec_helpers import FixedQProposer
 

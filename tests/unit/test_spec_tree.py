@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.kvcache.pool import KVPool
+from engine.model.llama import LlamaModel
+from engine.model.tiny import tiny_quantized_checkpoint
+from engine.speculative.proposer import Draft
+from engine.speculative.tree import accept_greedy, compaction, main_chain, merge_chain
 from kernels.attention_metadata import AttentionMetadata, tree_depths, tree_visibility
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.kvcache.pool import KVPool
-from shared.model.llama import LlamaModel
-from shared.model.tiny import tiny_quantized_checkpoint
 from shared.sampling.params import SamplingParams
-from shared.speculative.proposer import Draft
-from shared.speculative.tree import accept_greedy, compaction, main_chain, merge_chain
 from tests.spec_helpers import TreeOracleProposer, checked_run, motif_prompts, verified_drafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -12,13 +12,13 @@ import jsonschema
 import openai
 import pytest
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.coordinator.app import create_app
 from services.coordinator.server import ServerThread
 from services.coordinator.settings import APISettings
-from services.inprocess.engine_backend import EngineBackend
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
 from shared.modelfile.default import DEFAULT_MODEL_ID
+from tools.inprocess.engine_backend import EngineBackend
 
 pytestmark = pytest.mark.real_model
 

@@ -10,15 +10,15 @@ import json
 import jsonschema
 import pytest
 
-from services.bench.structured_bench import load_schemas
-from shared.engine.config import EngineConfig
-from shared.engine.constraints import OutputConstraints, fit_drafts_to_grammar
-from shared.engine.engine import Engine, RequestError
-from shared.engine.sequence import Sequence
+from engine.core.config import EngineConfig
+from engine.core.constraints import OutputConstraints, fit_drafts_to_grammar
+from engine.core.engine import Engine, RequestError
+from engine.core.sequence import Sequence
+from engine.speculative.proposer import Draft
 from shared.sampling.params import SamplingParams
 from shared.sampling.structured import StructuredOutput
-from shared.speculative.proposer import Draft
 from tests.spec_helpers import OracleProposer
+from tools.bench.structured_bench import load_schemas
 
 pytestmark = pytest.mark.real_model
 

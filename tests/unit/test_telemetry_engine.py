@@ -11,15 +11,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from services.worker.engine_metrics import EngineMetrics
+from services.worker.engine_steps import StepRecorder
+from services.worker.spans import WorkerTracing
 from shared.proto_gen import worker_pb2 as pb
 from shared.sampling.params import SamplingParams
-from shared.telemetry.engine_metrics import EngineMetrics
-from shared.telemetry.engine_steps import StepRecorder
 from shared.telemetry.propagation import grpc_metadata
 from shared.telemetry.tracing import Tracing
-from shared.telemetry.worker_spans import WorkerTracing
 
 PROMPT = list(range(3, 43))  # 40 tokens: chunks of 16, 16, 8
 
@@ -125,7 +125,7 @@ def test_step_metrics(setup):
 
 
 def test_the_measured_format_choice_is_in_the_metrics_and_the_report(setup):
-    from shared.model.formats import FormatChoice
+    from engine.model.formats import FormatChoice
 
     engine, registry, *_ = setup
     timings = {"fp32": {"prefill_ms_per_token": 0.5, "decode_b1_ms": 9.0, "decode_b8_ms": 30.0}}

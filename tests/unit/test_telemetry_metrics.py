@@ -12,11 +12,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.coordinator.metrics import APIMetrics, outcome_of
 from services.kvtransfer.metrics import transfer_metrics
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
-from shared.telemetry.engine_metrics import EngineMetrics
+from services.worker.engine_metrics import EngineMetrics
 from shared.telemetry.metrics_server import serve_metrics
 from shared.telemetry.processor import BoundedSpanProcessor, SpanExportCollector
 

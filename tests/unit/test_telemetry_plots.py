@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from PIL import Image
 
-from services.bench.load import RequestTiming
-from services.bench.plots import timing_samples, write_plots
+from tools.bench.load import RequestTiming
+from tools.bench.plots import timing_samples, write_plots
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -98,7 +98,7 @@ def test_tuner_results_draw_each_fleet_size_tried(tmp_path):
 def test_every_bench_command_takes_plot():
     import argparse
 
-    from services.commands import bench_cmd
+    from tools.commands import bench_cmd
 
     parser = argparse.ArgumentParser()
     bench_cmd.add_command(parser.add_subparsers())
@@ -112,7 +112,7 @@ def test_every_bench_command_takes_plot():
 
 
 def test_a_cdf_legend_counts_the_samples_and_skips_empty_series():
-    from services.bench.plots import _cdf
+    from tools.bench.plots import _cdf
 
     fig = _cdf({"ours": [1.0, 2.0, 3.0], "peer": []}, "TTFT", "ms")
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["ours (n=3)"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.load import RequestTiming
-from services.bench.tiers_bench import TiersBenchSpec, stack_config, summarize_tiers, table_rows
 from shared.config.schema import parse_config
+from tools.bench.load import RequestTiming
+from tools.bench.tiers_bench import TiersBenchSpec, stack_config, summarize_tiers, table_rows
 
 
 def _ok(kind: str, ttft: float) -> RequestTiming:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from services.coordinator.service_tiers import tier_priority
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
 from shared.sampling.params import SamplingParams
 
 BLOCK = 16

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.kvcache.pool import KVPool
-from shared.model.embedding import TokenEmbedding
-from shared.model.llama import LlamaModel
-from shared.model.native_step import NativeStep
-from shared.model.tiny import tiny_checkpoint, tiny_quantized_checkpoint
+from engine.kvcache.pool import KVPool
+from engine.model.embedding import TokenEmbedding
+from engine.model.llama import LlamaModel
+from engine.model.native_step import NativeStep
+from engine.model.tiny import tiny_checkpoint, tiny_quantized_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from shared.sampling.params import SamplingParams
 from shared.sampling.tool_call_schema import (
     MAX_TOOLS,

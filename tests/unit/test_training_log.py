@@ -12,7 +12,7 @@ import pytest
 from services.coordinator.main import api_settings
 from services.coordinator.settings import APISettings
 from shared.config.schema import DeploymentConfig, TrainingLogConfig
-from shared.speculative.training_log import (
+from shared.training_log import (
     LoggedTurn,
     TrainingLogError,
     TrainingLogWriter,
@@ -113,10 +113,10 @@ def test_each_host_writes_its_own_file_and_a_folder_is_read_in_record_time(tmp_p
     pattern = str(tmp_path / "{host}.jsonl")
     assert log_file_path(pattern, "coordinator-7f9c") == tmp_path / "coordinator-7f9c.jsonl"
     clock = iter(range(100, 200))
-    monkeypatch.setattr("shared.speculative.training_log.time.time", lambda: next(clock))
+    monkeypatch.setattr("shared.training_log.time.time", lambda: next(clock))
     writers = {}
     for host in ("pod-a", "pod-b"):
-        monkeypatch.setattr("shared.speculative.training_log.socket.gethostname", lambda h=host: h)
+        monkeypatch.setattr("shared.training_log.socket.gethostname", lambda h=host: h)
         writers[host] = TrainingLogWriter(pattern, 1.0)
         assert writers[host].path == tmp_path / f"{host}.jsonl"
     # Interleaved in time across the two files.

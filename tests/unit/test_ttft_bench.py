@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from services.bench.ttft_bench import PARTS, ClientSide, _prompt_messages, breakdown
 from shared.telemetry.records import EventRecord, SpanRecord
+from tools.bench.ttft_bench import PARTS, ClientSide, _prompt_messages, breakdown
 
 MS = 1_000_000  # ns
 
@@ -81,7 +81,7 @@ def test_prompts_are_fresh_and_about_the_size_asked(real_tokenizer):
 
 
 def test_the_command_is_registered_with_plot():
-    from services.commands import bench_cmd
+    from tools.commands import bench_cmd
 
     parser = argparse.ArgumentParser()
     bench_cmd.add_command(parser.add_subparsers())

@@ -8,11 +8,16 @@ import json
 
 import pytest
 
-from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
-from services.tuner.fleet import FleetConfig
-from services.tuner.search import Evaluator, smallest_passing, tune
-from services.tuner.slo import parse_slo
-from services.tuner.synthetic import uniform_trace
+from services.planner.replica_profile import (
+    DecodeModel,
+    PrefillModel,
+    ReplicaProfile,
+    TransferModel,
+)
+from tools.tuner.fleet import FleetConfig
+from tools.tuner.search import Evaluator, smallest_passing, tune
+from tools.tuner.slo import parse_slo
+from tools.tuner.synthetic import uniform_trace
 
 # Prefill costs 1 ms a token (no step overhead, no chunking at these lengths); a KV push is
 # free; a decode step costs `seq_ms` per sequence in the batch.
@@ -102,7 +107,7 @@ def test_slo_parsing_refuses_unknown_keys_and_bad_numbers():
 
 
 def _cli(argv: list[str]) -> int:
-    from services.commands.tune_cmd import add_commands
+    from tools.commands.tune_cmd import add_commands
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command", required=True))
@@ -162,7 +167,7 @@ def test_tune_command_says_when_the_slo_cannot_be_met(tmp_path, capsys):
 
 
 def test_tier_mixes_parse_and_assign_priorities_in_proportion():
-    from services.tuner.fleet import assign_priorities, parse_tier_mix
+    from tools.tuner.fleet import assign_priorities, parse_tier_mix
 
     assert parse_tier_mix("batch") == {"batch": 1.0}
     mix = parse_tier_mix("priority=1,default=3")
@@ -187,6 +192,6 @@ def test_tier_mixes_parse_and_assign_priorities_in_proportion():
     ],
 )
 def test_the_values_name_the_pool_after_the_profiles_model(model, pool):
-    from services.tuner.cli_run import pool_model_id
+    from tools.tuner.cli_run import pool_model_id
 
     assert pool_model_id({"model": model}) == pool

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.tuner.trace import MOONCAKE_BLOCK_TOKENS, TraceError, load_trace
+from tools.tuner.trace import MOONCAKE_BLOCK_TOKENS, TraceError, load_trace
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,12 +10,17 @@ import time
 import numpy as np
 import pytest
 
-from services.profiler.costmodel import DecodeModel, PrefillModel, ReplicaProfile, TransferModel
-from services.tuner.calibrate import Anchoring, Probe, anchor
-from services.tuner.fleet import FleetConfig
-from services.tuner.simulator import simulate
-from services.tuner.trace import Trace
-from services.tuner.validate import (
+from services.planner.replica_profile import (
+    DecodeModel,
+    PrefillModel,
+    ReplicaProfile,
+    TransferModel,
+)
+from tools.tuner.calibrate import Anchoring, Probe, anchor
+from tools.tuner.fleet import FleetConfig
+from tools.tuner.simulator import simulate
+from tools.tuner.trace import Trace
+from tools.tuner.validate import (
     MIN_GAP_MS,
     at_arrivals,
     make_slice,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.model_setup import load_serving_model
-from shared.model.formats import choose, pick
-from shared.model.tiny import tiny_checkpoint
-from shared.quality.require import eligible_formats
+from engine.core.model_setup import load_serving_model
+from engine.model.formats import choose, pick
+from engine.model.tiny import tiny_checkpoint
+from engine.quality.require import eligible_formats
 
 
 def _t(prefill: float, b1: float, b8: float) -> dict[str, float]:
@@ -78,7 +78,7 @@ def test_a_choice_is_measured_once_per_machine_then_cached(tmp_path, monkeypatch
     half = choose(ck, ["fp32", "native"], model_key="tiny-0", threads=1, kv_dtype=torch.float16)
     assert not half.cached
     # A forced native build (the AVX2 one on an AVX-512 machine) is other kernels.
-    from shared.model import formats
+    from engine.model import formats
 
     key = formats._cache_path("tiny-0", ["fp32", "native"], 1, torch.float32)
     monkeypatch.setenv("SPLITSERVE_NATIVE_CFLAGS", "-O3 -mavx2 -mfma -mf16c")
@@ -88,7 +88,7 @@ def test_a_choice_is_measured_once_per_machine_then_cached(tmp_path, monkeypatch
 def test_formats_are_timed_in_rounds_each_keeping_its_best(monkeypatch):
     """Every format is timed once per round, in turn, so a burst of other work slows one
     round of each format rather than every call of one."""
-    from shared.model import formats
+    from engine.model import formats
 
     order: list[str] = []
 
@@ -123,7 +123,7 @@ def test_auto_without_a_compiler_serves_the_torch_path_and_says_why(
 
 
 def test_an_ungated_fixed_format_is_refused_with_the_fix(gguf_path, tmp_path, monkeypatch):
-    from shared.quality import require
+    from engine.quality import require
 
     monkeypatch.setattr(require, "SHIPPED_REPORTS", tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))

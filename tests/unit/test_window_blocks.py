@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kvcache.block_manager import BlockManager
-from shared.kvcache.events import KVEvent
-from shared.kvcache.host_kv_tier import HostKVTier
-from shared.kvcache.pool import KVLayout, KVPool
-from shared.kvcache.tables import RELEASED
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.host_kv_tier import HostKVTier
+from engine.kvcache.pool import KVLayout, KVPool
+from engine.kvcache.tables import RELEASED
+from shared.kvblocks.events import KVEvent
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 

@@ -47,7 +47,7 @@ binds itself with --host (its pod IP for workers, 0.0.0.0 for the coordinator).
 -}}
 {{- $w := .Values.workers -}}
 {{- /* After the drain grace the worker hands its open streams over and stops its server:
-two tails of 2 s (DRAIN_TAIL_S in services/worker_server/server.py), then it exits. */ -}}
+two tails of 2 s (DRAIN_TAIL_S in services/worker/server.py), then it exits. */ -}}
 {{- $podGrace := add (int $w.preStopSleepSeconds) (int $w.drainGraceSeconds) 5 -}}
 {{- if lt (int $w.terminationGracePeriodSeconds) (int $podGrace) -}}
 {{- fail (printf "workers.terminationGracePeriodSeconds (%d) must be at least preStopSleepSeconds + drainGraceSeconds + 5 (%d): Kubernetes would kill a worker mid-drain" (int $w.terminationGracePeriodSeconds) (int $podGrace)) -}}
