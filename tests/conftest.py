@@ -4,7 +4,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from shared.process_defaults import apply_process_defaults
+from tools.process_defaults import apply_process_defaults
 
 # As `splitserve` sets them, before torch and gRPC load: the launcher tests fork services
 # from this process, which other tests leave with gRPC threads running; and in-process

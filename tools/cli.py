@@ -7,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from shared.process_defaults import apply_process_defaults
+from tools.process_defaults import apply_process_defaults
 
 # Before anything loads torch or gRPC (the module says why).
 apply_process_defaults()

@@ -12,14 +12,14 @@ import uvicorn
 import yaml
 from pydantic import ValidationError
 
-from services.coordinator.app import create_app
-from services.coordinator.backend import ModelInfo
-from services.coordinator.entitlements import ApiKey
-from services.coordinator.fleet import FleetView
-from services.coordinator.grpc_backend import GrpcBackend, reap_forever
-from services.coordinator.playground import PlaygroundSources
-from services.coordinator.registry import WorkerRegistry
-from services.coordinator.registry_service import RegistryService
+from services.coordinator.api.app import create_app
+from services.coordinator.attempt.grpc_backend import GrpcBackend, reap_forever
+from services.coordinator.generation_backend import ModelInfo
+from services.coordinator.keys import ApiKey
+from services.coordinator.playground.fleet import FleetView
+from services.coordinator.playground.routes import PlaygroundSources
+from services.coordinator.route.registry import WorkerRegistry
+from services.coordinator.route.registry_service import RegistryService
 from services.coordinator.settings import APISettings
 from shared.config.policy import ApiKeyEntry
 from shared.config.schema import ConfigError, DeploymentConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.coordinator.entitlements import ApiKey, KeyRing
+from services.coordinator.keys import ApiKey, KeyRing
 from shared.config.policy import ModelRoute, Price, TiersConfig, default_prices
 from shared.config.schema import TrainingLogConfig
 from shared.modelfile.default import DEFAULT_MODEL_ID

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Metric names as services/coordinator/metrics.py registers them (the parser reports
+# Metric names as services/coordinator/api/metrics.py registers them (the parser reports
 # counters without their _total suffix).
 REQUESTS = "splitserve_requests"
 PROMPT_TOKENS = "splitserve_prompt_tokens"

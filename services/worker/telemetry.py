@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry
 from engine.core.engine import Engine
 from services.worker.engine_metrics import EngineMetrics
 from services.worker.engine_steps import StepRecorder
+from services.worker.metrics_server import MetricsServer, serve_metrics
 from services.worker.spans import WorkerTracing
 from shared.config.schema import DeploymentConfig
-from shared.telemetry.metrics_server import MetricsServer, serve_metrics
 from shared.telemetry.tracing import Tracing
 
 

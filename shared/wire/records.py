@@ -12,11 +12,12 @@ from typing import Any
 from shared.sampling.logprob import TokenLogprob
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationChunk:
     """What one step produced for one request: token ids and counters from the worker's
-    stream, then the text delta (the coordinator's retry loop fills it in) on its way to the
-    SSE encoder."""
+    stream. A value: each stage of the coordinator that changes it (the pair attempt adds the
+    transfer's outcome, the retry loop the text delta and the client's counters) makes a new
+    one with `dataclasses.replace`."""
 
     token_ids: list[int]
     text: str = ""  # delta, safe to show (no partial stop string, no broken UTF-8)

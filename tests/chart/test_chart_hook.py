@@ -21,8 +21,8 @@ KEY = "sk-test-hook-key"
 def coordinator(real_model, real_tokenizer):
     from engine.core.config import EngineConfig
     from engine.core.engine import Engine
-    from services.coordinator.app import create_app
-    from services.coordinator.server import ServerThread
+    from services.coordinator.api.app import create_app
+    from services.coordinator.api.server import ServerThread
     from services.coordinator.settings import APISettings
     from tools.inprocess.engine_backend import EngineBackend
 

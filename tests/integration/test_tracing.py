@@ -16,9 +16,9 @@ from services.launcher import start_local_stack
 from services.launcher.presets import LOOPBACK_COORDINATOR
 from shared.config.schema import parse_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
-from shared.telemetry.receiver import OtlpReceiver
 from shared.telemetry.records import SpanRecord
-from shared.telemetry.waterfall import render
+from tools.bench.otlp_receiver import OtlpReceiver
+from tools.commands.waterfall import render
 
 pytestmark = pytest.mark.real_model
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from services.coordinator.app import create_app
+from services.coordinator.api.app import create_app
 from services.coordinator.settings import APISettings
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.coordinator.backend import (
+from services.coordinator.generation_backend import (
     GenerationChunk,
     GenerationRequest,
     ModelInfo,

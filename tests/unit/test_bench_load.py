@@ -3,7 +3,7 @@ tokens are counted per endpoint and a failed request is recorded, not raised."""
 
 from __future__ import annotations
 
-from services.coordinator.backend import BackendError
+from services.coordinator.generation_backend import BackendError
 from services.coordinator.settings import APISettings
 from tests.unit.coordinator_client import chat_body, run_with_client
 from tests.unit.scripted_backend import Script, ScriptedTestBackend

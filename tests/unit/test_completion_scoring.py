@@ -15,8 +15,8 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
-from services.coordinator.app import create_app
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.server import ServerThread
 from services.coordinator.settings import APISettings
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.sampling.params import SamplingParams

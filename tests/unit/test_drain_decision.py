@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.coordinator.backend import (
+from services.coordinator.attempt.retry import RetryLoop
+from services.coordinator.generation_backend import (
     BackendError,
     GenerationChunk,
     GenerationRequest,
@@ -17,7 +18,7 @@ from services.coordinator.backend import (
     ReplicaHandedOver,
     ReplicaLost,
 )
-from services.coordinator.retry import RetryLoop, RetryPolicy
+from services.coordinator.route.targets import RetryPolicy
 from shared.sampling.params import SamplingParams
 
 PROMPT = [1, 2, 3]

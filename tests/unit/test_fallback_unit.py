@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.backend import BackendError, BackendUnavailable
+from services.coordinator.generation_backend import BackendError, BackendUnavailable
 from services.coordinator.settings import APISettings
 from tests.unit.coordinator_client import chat_body, meta, run_with_client, sse_events
 from tests.unit.scripted_backend import Script, ScriptedTestBackend

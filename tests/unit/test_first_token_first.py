@@ -19,7 +19,8 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
-from services.coordinator.retry import RetryLoop, RetryPolicy
+from services.coordinator.attempt.retry import RetryLoop
+from services.coordinator.route.targets import RetryPolicy
 from services.kvtransfer.control_client import KvTransferControlClient
 from services.kvtransfer.types import TransferError, TransferState
 from services.worker.arrivals import Stage

@@ -17,8 +17,9 @@ import pytest
 from engine.core.async_engine import AsyncEngine
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
-from services.coordinator.backend import GenerationChunk, GenerationRequest
-from services.coordinator.relay import ChoiceStreams, SSEResponse
+from services.coordinator.generation_backend import GenerationChunk, GenerationRequest
+from services.coordinator.stream.choices import ChoiceStreams
+from services.coordinator.stream.sse import SSEResponse
 from shared.sampling.params import SamplingParams
 
 
@@ -64,12 +65,12 @@ async def _settle() -> None:
 @_sync
 async def test_streaming_pump_waits_for_the_first_token_to_be_written():
     loop = _Loop(chunks=3)
-    streams = ChoiceStreams(loop, [_request()], hold_first=True)  # type: ignore[arg-type]
+    streams = ChoiceStreams(loop.generate, [_request()], hold_first=True)
     index, chunk = await streams.next()
     await _settle()
     assert (index, chunk.token_ids) == (0, [0])
     assert loop.pulled == 1  # the backend was not asked for more before the token is out
-    streams.written(0)
+    # Asking for the next event is the caller's word that the first token is written.
     rest = [await streams.next(), await streams.next(), await streams.next()]
     assert [c.token_ids for _, c in rest[:2]] == [[1], [2]] and rest[2] is None
     assert loop.pulled == 3
@@ -78,7 +79,7 @@ async def test_streaming_pump_waits_for_the_first_token_to_be_written():
 @_sync
 async def test_collecting_pump_never_waits():
     loop = _Loop(chunks=3)
-    streams = ChoiceStreams(loop, [_request()], hold_first=False)  # type: ignore[arg-type]
+    streams = ChoiceStreams(loop.generate, [_request()], hold_first=False)
     got = []
     while (event := await streams.next()) is not None:
         got.append(event[1].token_ids)
@@ -88,7 +89,7 @@ async def test_collecting_pump_never_waits():
 @_sync
 async def test_a_held_pump_is_cancelled_by_close():
     loop = _Loop(chunks=3)
-    streams = ChoiceStreams(loop, [_request()], hold_first=True)  # type: ignore[arg-type]
+    streams = ChoiceStreams(loop.generate, [_request()], hold_first=True)
     await streams.next()
     streams.close()
     await _settle()

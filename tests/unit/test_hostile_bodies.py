@@ -10,9 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.coordinator.app import create_app
-from services.coordinator.http_body import MAX_JSON_DEPTH, nested_deeper_than
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.http_body import MAX_JSON_DEPTH, nested_deeper_than
+from services.coordinator.api.server import ServerThread
 from services.coordinator.settings import APISettings
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
 

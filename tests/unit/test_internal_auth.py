@@ -15,8 +15,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kvcache.pool import KVLayout, KVPool
-from services.coordinator.registry import WorkerRegistry
-from services.coordinator.registry_service import RegistryService
+from services.coordinator.route.registry import WorkerRegistry
+from services.coordinator.route.registry_service import RegistryService
 from services.kvtransfer import wire
 from services.kvtransfer.tcp import TcpTransferBackend
 from services.kvtransfer.types import TransferState

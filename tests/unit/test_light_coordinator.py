@@ -49,7 +49,7 @@ def _loaded_after(code: str) -> list[str]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["services.coordinator.app", "services.coordinator.main"])
+@pytest.mark.parametrize("module", ["services.coordinator.api.app", "services.coordinator.main"])
 def test_importing_the_coordinator_loads_no_engine_side_module(module):
     assert _loaded_after(f"import {module}") == []
 

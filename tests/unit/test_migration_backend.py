@@ -12,15 +12,16 @@ import grpc
 import pytest
 
 from engine.model.tiny import tiny_checkpoint, write_hf_folder
-from services.coordinator.backend import (
+from services.coordinator.attempt.grpc_backend import GrpcBackend
+from services.coordinator.attempt.retry import RetryLoop
+from services.coordinator.generation_backend import (
     BackendError,
     GenerationChunk,
     GenerationRequest,
     ModelInfo,
 )
-from services.coordinator.grpc_backend import GrpcBackend
-from services.coordinator.registry import WorkerInfo, WorkerRegistry
-from services.coordinator.retry import RetryLoop, RetryPolicy
+from services.coordinator.route.registry import WorkerInfo, WorkerRegistry
+from services.coordinator.route.targets import RetryPolicy
 from services.kvtransfer.control import add_control_servicer
 from services.worker.decode import DecodeTransferControl
 from services.worker.runtime import WorkerRuntime
@@ -315,7 +316,7 @@ def test_colocated_replica_serves_and_migrates(tiny_folder, real_tokenizer):
 def test_routing_gets_the_conversation_and_the_failed_replicas(
     tiny_folder, real_tokenizer, monkeypatch
 ):
-    import services.coordinator.grpc_backend as grpc_backend
+    import services.coordinator.attempt.grpc_backend as grpc_backend
 
     calls: list[dict] = []
     real_choose_pair = grpc_backend.choose_pair

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.affinity import ConversationAffinity
-from services.coordinator.attempts import RequestProgress, attempt_request_id
-from services.coordinator.backend import GenerationRequest, ReplicaLost
+from services.coordinator.attempt.progress import RequestProgress, attempt_request_id
+from services.coordinator.generation_backend import GenerationRequest, ReplicaLost
+from services.coordinator.route.affinity import ConversationAffinity
 from services.worker.runtime import CancelledRequests
 from shared.config.schema import ConfigError, parse_config
 from shared.sampling.params import SamplingParams

@@ -8,7 +8,7 @@ import pytest
 
 from services.coordinator.errors import APIError
 from services.coordinator.main import check_policy
-from services.coordinator.model_routes import ModelRoutes, bucket
+from services.coordinator.route.saved_routers import ModelRoutes, bucket
 from services.coordinator.settings import APISettings
 from shared.config.schema import ConfigError, parse_config
 from tests.unit.coordinator_client import chat_body, meta, run_with_client

@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from services.coordinator.app import create_app
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.server import ServerThread
 from services.coordinator.settings import APISettings
 from tests.unit.coordinator_client import run_with_client
 from tests.unit.scripted_backend import Script, ScriptedTestBackend

@@ -15,10 +15,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from services.coordinator.app import create_app
-from services.coordinator.chat_prompt import render_chat
-from services.coordinator.schemas import ChatCompletionRequest
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.server import ServerThread
+from services.coordinator.prepare.chat_prompt import render_chat
+from services.coordinator.prepare.schemas import ChatCompletionRequest
 from services.coordinator.settings import APISettings
 from shared.tokenizer.chat_template import ChatTemplate
 from tests.unit.scripted_backend import Script, ScriptedTestBackend

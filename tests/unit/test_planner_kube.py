@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.coordinator.metrics import APIMetrics
+from services.coordinator.api.metrics import APIMetrics
 from services.planner.decide import Policy
 from services.planner.kube import KubeScaler, ScaleAPIError
 from services.planner.loop import Planner, PlannerConfig, http_metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.metrics import APIMetrics
+from services.coordinator.api.metrics import APIMetrics
 from services.planner.metrics import MetricSample, parse_metrics, window_quantile
 
 

@@ -9,11 +9,11 @@ import time
 
 import httpx
 
-from services.coordinator.fleet import FleetView
-from services.coordinator.playground import PlaygroundSources
-from services.coordinator.registry import WorkerInfo, WorkerRegistry
+from services.coordinator.playground.fleet import FleetView
+from services.coordinator.playground.routes import PlaygroundSources
+from services.coordinator.playground.static_files import CONTENT_SECURITY_POLICY, StaticBundle
+from services.coordinator.route.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.settings import APISettings
-from services.coordinator.static_files import CONTENT_SECURITY_POLICY, StaticBundle
 from shared.config.policy import ModelRoute
 from shared.config.schema import DeploymentConfig, parse_config
 from shared.wire.records import WorkerLoad
@@ -33,7 +33,7 @@ def test_page_and_files_are_served_with_a_strict_csp(real_tokenizer):
     async def work(client: httpx.AsyncClient):
         root = await client.get("/")
         page = await client.get("/playground/")
-        names = StaticBundle("services.coordinator", "playground_web").names
+        names = StaticBundle("services.coordinator.playground", "web").names
         files = {n: await client.get(f"/playground/{n}") for n in names}
         again = await client.get(
             "/playground/main.js", headers={"If-None-Match": files["main.js"].headers["etag"]}
@@ -133,7 +133,7 @@ def test_fleet_view_marks_dead_and_draining_workers(real_tokenizer):
         return first, second
 
     def run(work):
-        from services.coordinator.app import create_app
+        from services.coordinator.api.app import create_app
 
         app = create_app(backend, _settings(), playground=PlaygroundSources(fleet=fleet))
 

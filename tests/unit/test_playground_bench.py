@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import tools.bench.playground_bench as bench
-from services.coordinator.app import create_app
-from services.coordinator.fleet import FleetView
-from services.coordinator.playground import PlaygroundSources
-from services.coordinator.registry import WorkerInfo, WorkerRegistry
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.server import ServerThread
+from services.coordinator.playground.fleet import FleetView
+from services.coordinator.playground.routes import PlaygroundSources
+from services.coordinator.route.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.settings import APISettings
 from shared.config.schema import DeploymentConfig
 from tests.unit.scripted_backend import Script, ScriptedTestBackend

@@ -3,7 +3,7 @@ with each turn encoding only the pieces it adds."""
 
 from __future__ import annotations
 
-from services.coordinator.prompt_tokens import PromptTokens
+from services.coordinator.prepare.prompt_tokens import PromptTokens
 
 
 def _chat(turns: int) -> list[dict[str, str]]:

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.coordinator.registry import WorkerRegistry
-from services.coordinator.registry_service import RegistryService
+from services.coordinator.route.registry import WorkerRegistry
+from services.coordinator.route.registry_service import RegistryService
 from services.launcher.ports import pick_free_ports
 from services.worker.coordinators import resolve_registries
 from services.worker.registration import RegistrationRefused

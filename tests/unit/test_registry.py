@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.fleet_readiness import fleet_readiness
-from services.coordinator.registry import RegistrationError, WorkerInfo, WorkerRegistry
-from services.coordinator.routing import choose_pair
+from services.coordinator.route.pair_choice import choose_pair
+from services.coordinator.route.readiness import fleet_readiness
+from services.coordinator.route.registry import RegistrationError, WorkerInfo, WorkerRegistry
 from shared.config.schema import parse_config
 from shared.kvblocks.events import KVEvent
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from services.coordinator.registry import WorkerInfo, WorkerRegistry
-from services.coordinator.routing import choose_pair
+from services.coordinator.route.pair_choice import choose_pair
+from services.coordinator.route.registry import WorkerInfo, WorkerRegistry
 from shared.config.schema import parse_config
 from shared.kvblocks.events import KVEvent
 from shared.kvblocks.hashing import hash_prompt_blocks

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.coordinator.registry import WorkerInfo, WorkerRegistry
-from services.coordinator.registry_service import RegistryService
+from services.coordinator.route.registry import WorkerInfo, WorkerRegistry
+from services.coordinator.route.registry_service import RegistryService
 from shared.config.schema import parse_config
 from shared.proto_gen import worker_pb2 as pb
 

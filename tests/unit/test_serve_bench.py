@@ -71,7 +71,7 @@ def test_prompt_sizes_in_the_models_tokens(real_tokenizer):
 
 
 def test_request_bodies_are_greedy_streams_our_api_accepts():
-    from services.coordinator.schemas import ChatCompletionRequest
+    from services.coordinator.prepare.schemas import ChatCompletionRequest
 
     plain = sb.chat_body("m", [{"role": "user", "content": "hi"}], 32)
     assert plain["messages"][0] == {"role": "system", "content": sb.SYSTEM_PROMPT}

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.sampling.stop import StopStringMatcher
+from services.coordinator.stream.stop_strings import StopStringMatcher
 
 
 def _reference(text: str, stop: list[str]) -> tuple[str, bool]:

@@ -10,9 +10,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.coordinator.app import create_app
-from services.coordinator.backend import BackendError, GenerationChunk, ModelInfo
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.server import ServerThread
+from services.coordinator.generation_backend import BackendError, GenerationChunk, ModelInfo
 from services.coordinator.settings import APISettings
 from shared.telemetry.tracing import Tracing
 

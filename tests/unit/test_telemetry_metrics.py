@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
-from services.coordinator.metrics import APIMetrics, outcome_of
+from services.coordinator.api.metrics import APIMetrics, outcome_of
 from services.kvtransfer.metrics import transfer_metrics
 from services.worker.engine_metrics import EngineMetrics
-from shared.telemetry.metrics_server import serve_metrics
+from services.worker.metrics_server import serve_metrics
 from shared.telemetry.processor import BoundedSpanProcessor, SpanExportCollector
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm/splitserve/dashboards/splitserve.json"

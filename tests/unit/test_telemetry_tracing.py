@@ -16,17 +16,17 @@ from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.coordinator.api.http_span import RequestTrace
 from shared.config.schema import ConfigError, DeploymentConfig, TelemetryConfig, parse_config
 from shared.telemetry.file_export import JsonLinesSpanExporter, read_span_file
-from shared.telemetry.http_span import RequestTrace
 from shared.telemetry.processor import BoundedSpanProcessor
 from shared.telemetry.propagation import (
     context_from_grpc,
     current_trace_metadata,
     grpc_metadata,
 )
-from shared.telemetry.receiver import OtlpReceiver, ReceiverProcess
 from shared.telemetry.tracing import Tracing, create_exporter
+from tools.bench.otlp_receiver import OtlpReceiver, ReceiverProcess
 
 VALID_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.coordinator.admission import Admission, ModelQueue
 from services.coordinator.errors import APIError
+from services.coordinator.route.admission import Admission, ModelQueue
 from services.coordinator.settings import APISettings
 from shared.config.policy import TierPolicy, TiersConfig
 from tests.unit.coordinator_client import chat_body, run_with_client

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.pricing import response_cost
 from services.coordinator.settings import APISettings
+from services.coordinator.stream.pricing import response_cost
 from shared.config.policy import Price
 from tests.unit.coordinator_client import chat_body, meta, run_with_client, sse_events
 from tests.unit.scripted_backend import Script, ScriptedTestBackend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.entitlements import ApiKey
+from services.coordinator.keys import ApiKey
 from services.coordinator.main import api_settings
 from services.coordinator.settings import APISettings
 from shared.config.schema import ConfigError, parse_config

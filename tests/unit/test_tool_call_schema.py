@@ -11,13 +11,13 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
-from shared.sampling.params import SamplingParams
-from shared.sampling.tool_call_schema import (
+from services.coordinator.prepare.tool_call_schema import (
     MAX_TOOLS,
     ToolChoiceError,
     parse_tool_calls,
     tool_call_output,
 )
+from shared.sampling.params import SamplingParams
 
 WEATHER = {
     "type": "function",

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from shared.telemetry.records import EventRecord, SpanRecord
-from shared.telemetry.waterfall import render
 from tools.commands import trace_cmd
+from tools.commands.waterfall import render
 
 MS = 1_000_000
 T0 = 1_750_000_000 * 10**9  # some wall-clock instant, in ns

@@ -18,9 +18,9 @@ from engine.core.model_setup import load_serving_model
 from engine.kvcache.kv_dtype import resolve_kv_dtype
 from engine.model.llama import LlamaModel
 from shared.modelfile.default import default_model_path
-from shared.process_defaults import OURS_MARKER
 from shared.sampling.params import SamplingParams
 from tools.bench.hardware import measure_read_bandwidth_gb_s
+from tools.process_defaults import OURS_MARKER
 
 CONTEXT = 512
 PREFILL_TOKENS = 1024

@@ -39,9 +39,9 @@ from services.launcher import LocalStack, start_local_stack
 from shared.config.schema import parse_config
 from shared.modelfile.default import DEFAULT_MODEL_ID
 from shared.telemetry.file_export import read_span_file
-from shared.telemetry.receiver import ReceiverProcess
 from tools.bench.cpu_time import process_cpu_s, total_cpu_s
 from tools.bench.load import RequestTiming, filler_text, percentile, stream_chat, timing_samples
+from tools.bench.otlp_receiver import ReceiverProcess
 from tools.bench.span_cost import span_cost_ms
 
 MODES = ("off", "file", "otlp")

@@ -9,13 +9,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.coordinator.api.http_span import RequestTrace
+from services.coordinator.attempt.rpc_spans import RpcSpan, describe_route
 from services.worker.engine_steps import ChunkRecord, StepRecorder
 from services.worker.spans import WorkerTracing
 from shared.config.schema import TelemetryConfig
 from shared.proto_gen import worker_pb2 as pb
 from shared.telemetry import attributes as A
-from shared.telemetry.http_span import RequestTrace
-from shared.telemetry.rpc_spans import RpcSpan, describe_route
 from shared.telemetry.tracing import Tracing
 
 

@@ -38,8 +38,8 @@ from engine.core.config import EngineConfig
 from engine.core.engine import Engine
 from engine.model.llama import LlamaModel
 from engine.model.loader import read_checkpoint
-from services.coordinator.app import create_app
-from services.coordinator.server import ServerThread
+from services.coordinator.api.app import create_app
+from services.coordinator.api.server import ServerThread
 from services.coordinator.settings import APISettings
 from shared.modelfile.default import DEFAULT_MODEL_ID, default_model_path
 from shared.tokenizer import Tokenizer

@@ -26,7 +26,7 @@ def add_command(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.core.config import EngineConfig
     from engine.core.engine import Engine
-    from services.coordinator.backend import BackendRequestError
+    from services.coordinator.generation_backend import BackendRequestError
     from shared.modelfile.config import ModelFileError
     from shared.modelfile.default import default_model_path
     from shared.sampling.params import SamplingParamError, SamplingParams
@@ -75,8 +75,9 @@ async def _stream(engine, tokenizer, prompt_ids: list[int], params):
 
     Through the in-process backend and the coordinator's retry loop, which makes the text:
     stop strings and detokenizing behave here exactly as they do behind the API."""
-    from services.coordinator.backend import GenerationRequest
-    from services.coordinator.retry import RetryLoop, RetryPolicy
+    from services.coordinator.attempt.retry import RetryLoop
+    from services.coordinator.generation_backend import GenerationRequest
+    from services.coordinator.route.targets import RetryPolicy
     from tools.inprocess.engine_backend import EngineBackend
 
     req = GenerationRequest(

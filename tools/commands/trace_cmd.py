@@ -72,7 +72,7 @@ def _trace_file(args: argparse.Namespace) -> str:
 def run_trace(args: argparse.Namespace) -> int:
     from shared.config.schema import ConfigError
     from shared.telemetry.file_export import read_span_file
-    from shared.telemetry.waterfall import group_traces, latest_traces, render, summarize
+    from tools.commands.waterfall import group_traces, latest_traces, render, summarize
 
     try:
         path = _trace_file(args)

@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.core.async_engine import AsyncEngine, EngineStepError
 from engine.core.engine import Engine, RequestError
-from services.coordinator.backend import (
+from services.coordinator.generation_backend import (
     BackendError,
     BackendRequestError,
     GenerationChunk,

@@ -1,6 +1,6 @@
 """Writes the planner's metric-series fixtures (run from the repo root; deterministic).
 
-Each scenario drives the coordinator's own metrics code (services.coordinator.metrics) with
+Each scenario drives the coordinator's own metrics code (services.coordinator.api.metrics) with
 simulated traffic: Poisson arrivals at a rate that follows the scenario, conversation-shaped
 requests (long prompts, much of them a cached prefix, short replies) and latencies drawn
 around the scenario's medians. Every `interval_s` the registry is rendered as /metrics
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.coordinator.metrics import APIMetrics
+from services.coordinator.api.metrics import APIMetrics
 from services.planner.metrics import parse_metrics
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -131,7 +131,7 @@ def main() -> None:
     for seed, sc in enumerate(SCENARIOS):
         doc = {
             "description": sc.description,
-            "source": "simulated traffic through services.coordinator.metrics.APIMetrics, "
+            "source": "simulated traffic through services.coordinator.api.metrics.APIMetrics, "
             f"scraped every {sc.interval_s:g} s (make_series.py, seed {seed})",
             "model": MODEL,
             "samples": simulate(sc, seed),
