@@ -293,7 +293,7 @@ class Engine:
         """Blocks held and slots in each KV tier (device, host, disk): what the fleet view
         shows; a tier the engine runs without is left out."""
         blocks = self.blocks
-        tiers = {
+        kv_tiers = {
             "device": {
                 "used_blocks": blocks.num_blocks - blocks.num_available_blocks,
                 "capacity_blocks": blocks.num_blocks,
@@ -301,16 +301,16 @@ class Engine:
         }
         host = blocks.host_kv_tier
         if host is not None:
-            tiers["host"] = {
+            kv_tiers["host"] = {
                 "used_blocks": host.num_blocks + host.num_reserved_slots,
                 "capacity_blocks": host.capacity_blocks,
             }
             if host.disk is not None:
-                tiers["disk"] = {
+                kv_tiers["disk"] = {
                     "used_blocks": host.disk.num_blocks,
                     "capacity_blocks": host.disk.capacity_blocks,
                 }
-        return tiers
+        return kv_tiers
 
     def structured_stats(self) -> dict:
         """Grammar cache (compiled schemas, hits) and per-step mask timings."""

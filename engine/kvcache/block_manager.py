@@ -143,14 +143,14 @@ class BlockManager:
     def _match(self, token_ids: Sequence[int], max_blocks: int) -> PrefixMatch:
         prefix = token_ids[: max_blocks * self.block_size]
         hashes: list[int] = []
-        tiers: list[KVTier] = []
+        kv_tiers: list[KVTier] = []
         for h in hash_prompt_blocks(prefix, self.block_size, self.salt):
-            tier = self._locate(h)
-            if tier is None:
+            kv_tier = self._locate(h)
+            if kv_tier is None:
                 break
             hashes.append(h)
-            tiers.append(tier)
-        return PrefixMatch(self.block_size, tuple(hashes), tuple(tiers))
+            kv_tiers.append(kv_tier)
+        return PrefixMatch(self.block_size, tuple(hashes), tuple(kv_tiers))
 
     def cached_hashes(self) -> dict[str, list[int]]:
         """Every block hash held per tier: what a router rebuilds its index from on resync."""
@@ -184,12 +184,12 @@ class BlockManager:
         total = _blocks_for(len(token_ids) + num_lookahead_tokens, self.block_size)
         hits = {
             i: block_id
-            for i, (h, tier) in enumerate(zip(match.block_hashes, match.tiers, strict=True))
-            if tier == "device" and (block_id := self._device.lookup(h)) is not None
+            for i, (h, kv_tier) in enumerate(zip(match.block_hashes, match.kv_tiers, strict=True))
+            if kv_tier == "device" and (block_id := self._device.lookup(h)) is not None
         }
         if not self._can_take(total, hits):
             return None
-        lower = [i for i, tier in enumerate(match.tiers) if tier != "device"]
+        lower = [i for i, kv_tier in enumerate(match.kv_tiers) if kv_tier != "device"]
         # Read lower-tier data before taking blocks: evicting device blocks spills into the
         # host tier, which may push these very entries down to disk or out.
         data = self.host_kv_tier.load([match.block_hashes[i] for i in lower]) if lower else None

@@ -77,30 +77,32 @@ class PrefixMatch:
 
     block_size: int
     block_hashes: tuple[int, ...]
-    tiers: tuple[KVTier, ...]
+    kv_tiers: tuple[KVTier, ...]
 
     @property
     def num_blocks(self) -> int:
-        return len(self.tiers)
+        return len(self.kv_tiers)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tiers) * self.block_size
+        return len(self.kv_tiers) * self.block_size
 
     @property
     def num_device_blocks(self) -> int:
-        return self.tiers.count("device")
+        return self.kv_tiers.count("device")
 
     @property
     def num_host_blocks(self) -> int:
-        return self.tiers.count("host")
+        return self.kv_tiers.count("host")
 
     @property
     def num_disk_blocks(self) -> int:
-        return self.tiers.count("disk")
+        return self.kv_tiers.count("disk")
 
     def head(self, num_blocks: int) -> PrefixMatch:
-        return PrefixMatch(self.block_size, self.block_hashes[:num_blocks], self.tiers[:num_blocks])
+        return PrefixMatch(
+            self.block_size, self.block_hashes[:num_blocks], self.kv_tiers[:num_blocks]
+        )
 
 
 @dataclass(frozen=True)

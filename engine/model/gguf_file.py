@@ -44,7 +44,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "gate_proj",
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
-    "ffn_gate_inp.weight": "router",
+    "ffn_gate_inp.weight": "expert_gate",
     "ffn_gate_shexp.weight": "shared.gate_proj",
     "ffn_up_shexp.weight": "shared.up_proj",
     "ffn_down_shexp.weight": "shared.down_proj",

@@ -86,7 +86,7 @@ def _sparse_mlp(
     if kernel == "triton" and importlib.util.find_spec("triton") is None:
         kernel = "torch"
     return SparseMLP(
-        t[p + "router"].to(dev),
+        t[p + "expert_gate"].to(dev),
         experts,
         moe.expert_intermediate_size,
         moe.top_k,

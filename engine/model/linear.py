@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.model.fp32_route import aligned, fp32_linear, register
+from engine.model.fp32_gemm import aligned, fp32_linear, register
 
 WeightFormat = Literal["fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")

@@ -1,14 +1,15 @@
-"""A sparse MLP: top-k routing, then the experts over their rows, grouped.
+"""A sparse MLP: the expert gate picks each token's top-k experts, then the experts run over
+their rows, grouped.
 
-Tokens are sorted by the expert they were routed to, so each expert runs one matmul over all
+Tokens are sorted by the expert they were sent to, so each expert runs one matmul over all
 of its rows (a Python loop over experts, never over tokens), and the weighted outputs are
-scattered back with one index_add. Routing follows transformers: softmax in fp32 over all
-experts, top-k, renormalised to sum to 1 when the config says so. Each call adds to a per-
+scattered back with one index_add. Expert selection follows transformers: softmax in fp32
+over all experts, top-k, renormalised to sum to 1 when the config says so. Each call adds to a per-
 expert load counter (`load`), which the engine exports as a metric.
 
 The grouped expert computation runs on the torch path (each expert's Linears, any weight
 format), or, on a GPU with fp32 weights, as the Triton fused-MoE kernels over stacked
-weights (kernels/triton_moe.py) — the same contract, so routing and scatter are shared.
+weights (kernels/triton_moe.py) — the same contract, so expert selection and scatter are shared.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def gated_mlp(
 class SparseMLP:
     def __init__(
         self,
-        router: torch.Tensor,  # [experts, hidden]
+        expert_gate: torch.Tensor,  # [experts, hidden]
         experts: list[tuple[Linear, Linear]],  # per expert: (gate_up, down)
         expert_intermediate: int,
         top_k: int,
@@ -44,7 +45,7 @@ class SparseMLP:
         shared_gate: torch.Tensor | None = None,  # [1, hidden]
         kernel: ExpertsKernel = "torch",
     ):
-        self.router = router
+        self.expert_gate = expert_gate
         self.experts = experts
         self.inter = expert_intermediate
         self.top_k = top_k
@@ -64,16 +65,16 @@ class SparseMLP:
                 torch.stack([d.fp32 for _, d in experts]),  # type: ignore[misc]
             )
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (weights [n, k] fp32, expert ids [n, k])."""
-        probs = torch.softmax((x @ self.router.T).float(), dim=-1)
+        probs = torch.softmax((x @ self.expert_gate.T).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        weights, ids = self.select_experts(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k

@@ -32,7 +32,7 @@ def layer_tensor_names(config: ModelConfig, layer: int) -> list[str]:
         names += ["attn_out_norm", "mlp_out_norm"]
     moe = config.moe
     if moe is not None and is_sparse(config, layer):
-        names.append("router")
+        names.append("expert_gate")
         names += [f"experts.{e}.{m}" for e in range(moe.num_experts) for m in MLP_NAMES]
         if moe.shared_intermediate_size:
             names += [f"shared.{m}" for m in MLP_NAMES] + ["shared_gate"]

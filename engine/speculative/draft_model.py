@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.fp32_route import aligned, fp32_linear, register
+from engine.model.fp32_gemm import aligned, fp32_linear, register
 from engine.model.gguf_file import Checkpoint
 from engine.model.layers import rms_norm
 from engine.model.rope import RotaryEmbedding
@@ -123,8 +123,8 @@ def scatter_kv(kv: BatchKV, caches: list[BatchKV], spans: list[tuple[int, int]])
 
 
 class Projection(nn.Linear):
-    """A bias-free nn.Linear that, once `serve()`d, multiplies through the fp32 route when no
-    gradient is wanted: a draft's few rows a step then take the call measured fastest here
+    """A bias-free nn.Linear that, once `serve()`d, multiplies through the chosen fp32 GEMM call
+    when no gradient is wanted: a draft's few rows a step then take the call measured fastest here
     (on an AVX2 EPYC torch's MKL ran a 1-row product at half the native kernel's rate), and
     training keeps autograd's plain path."""
 

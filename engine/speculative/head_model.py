@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.embedding import TokenEmbedding
-from engine.model.fp32_route import aligned, fp32_linear, register
+from engine.model.fp32_gemm import aligned, fp32_linear, register
 from engine.model.llama import RotaryEmbedding, rms_norm
 from engine.speculative.draft_model import (
     BatchKV,
@@ -214,7 +214,7 @@ class DraftHead(nn.Module):
     def serve(self, native_weights: WeightFormat = HEAD_WEIGHTS) -> None:
         """Inference from now on: the step runs in the native library, its matrices held
         in `native_weights` (head_native.py), or where that library does not build every
-        matrix (the shared output rows too) multiplies through the fp32 route."""
+        matrix (the shared output rows too) multiplies through the chosen fp32 GEMM call."""
         serve_projections(self)
         self.head_rows = aligned(self.head_rows)
         register(self.head_rows)

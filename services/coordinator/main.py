@@ -122,7 +122,7 @@ def api_settings(config: DeploymentConfig) -> APISettings:
         keys=keyed_api_keys(config),
         tiers=config.tiers,
         prices=dict(config.prices),
-        model_routes=dict(config.routers),
+        saved_routers=dict(config.routers),
         playground_enabled=config.playground.enabled,
         training_log=config.capture.training_log if config.capture.training_log.enabled else None,
     )

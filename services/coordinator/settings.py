@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.coordinator.keys import ApiKey, KeyRing
-from shared.config.policy import ModelRoute, Price, TiersConfig, default_prices
+from shared.config.policy import Price, SavedRouter, ServiceTiersConfig, default_prices
 from shared.config.schema import TrainingLogConfig
 from shared.modelfile.default import DEFAULT_MODEL_ID
 
@@ -25,9 +25,9 @@ class APISettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Keys with tier entitlements; both kinds are accepted when both are given.
     keys: tuple[ApiKey, ...] = field(default=(), repr=False)
-    tiers: TiersConfig = TiersConfig()
+    tiers: ServiceTiersConfig = ServiceTiersConfig()
     prices: dict[str, Price] = field(default_factory=default_prices)
-    model_routes: dict[str, ModelRoute] = field(default_factory=dict)
+    saved_routers: dict[str, SavedRouter] = field(default_factory=dict)
     playground_enabled: bool = True  # serve /playground and its fleet and trace views
     # Finished requests' token ids go here when the operator turned capture on; None = off.
     training_log: TrainingLogConfig | None = None

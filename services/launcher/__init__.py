@@ -4,7 +4,7 @@
 returns a `LocalStack` once the coordinator reports ready.
 """
 
-from services.launcher.processes import ProcessGroup, ServiceDied, ServiceProcess, ServiceSpec
+from services.launcher.processes import ProcessGroup, ServiceDied, ServiceLaunch, ServiceProcess
 from services.launcher.readiness import StartupCancelled, StartupTimeout
 from services.launcher.stack import LocalStack, start_local_stack
 
@@ -13,7 +13,7 @@ __all__ = [
     "ProcessGroup",
     "ServiceDied",
     "ServiceProcess",
-    "ServiceSpec",
+    "ServiceLaunch",
     "StartupCancelled",
     "StartupTimeout",
     "start_local_stack",

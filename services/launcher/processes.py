@@ -28,7 +28,7 @@ ReadyCheck = Callable[[], tuple[bool, str]]
 
 
 @dataclass(frozen=True)
-class ServiceSpec:
+class ServiceLaunch:
     """What to run for one service. `env` is added on top of the launcher's environment."""
 
     name: str
@@ -41,7 +41,7 @@ class ServiceSpec:
     ready: ReadyCheck | None = None
     # The spec of the next start after this one died (a worker takes a fresh port); None:
     # the same spec again.
-    renew: Callable[[], ServiceSpec] | None = None
+    renew: Callable[[], ServiceLaunch] | None = None
 
 
 class ServiceDied(RuntimeError):
@@ -72,14 +72,14 @@ class ServiceProcess:
 
     def __init__(
         self,
-        spec: ServiceSpec,
+        launch: ServiceLaunch,
         log_path: Path,
         echo: TextIO | None,
         echo_lock: threading.Lock,
         preexec: Callable[[], None] | None,
         header: str = "",
     ):
-        self.spec = spec
+        self.launch = launch
         self.log_path = log_path
         self._echo = echo
         self._echo_lock = echo_lock
@@ -90,23 +90,25 @@ class ServiceProcess:
             self._log.flush()
         try:
             self._popen = subprocess.Popen(
-                list(spec.argv),
+                list(launch.argv),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **spec.env},
+                env={**os.environ, **launch.env},
                 preexec_fn=preexec,
                 close_fds=True,
             )
         except BaseException:
             self._log.close()
             raise
-        self._reader = threading.Thread(target=self._drain, name=f"output:{spec.name}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._drain, name=f"output:{launch.name}", daemon=True
+        )
         self._reader.start()
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.launch.name
 
     @property
     def pid(self) -> int:
@@ -185,25 +187,25 @@ class ProcessGroup:
         self._processes: dict[str, ServiceProcess] = {}
         self._preexec = _die_with_parent_hook()
 
-    def start(self, spec: ServiceSpec) -> ServiceProcess:
-        if spec.name in self._processes:
-            raise ValueError(f"a service named {spec.name!r} is already in this group")
-        log_path = self.log_dir / f"{spec.name.replace('/', '_')}.log"
+    def start(self, launch: ServiceLaunch) -> ServiceProcess:
+        if launch.name in self._processes:
+            raise ValueError(f"a service named {launch.name!r} is already in this group")
+        log_path = self.log_dir / f"{launch.name.replace('/', '_')}.log"
         log_path.unlink(missing_ok=True)
-        proc = ServiceProcess(spec, log_path, self._echo, self._echo_lock, self._preexec)
-        self._processes[spec.name] = proc
+        proc = ServiceProcess(launch, log_path, self._echo, self._echo_lock, self._preexec)
+        self._processes[launch.name] = proc
         return proc
 
-    def restart(self, spec: ServiceSpec, header: str) -> ServiceProcess:
+    def restart(self, launch: ServiceLaunch, header: str) -> ServiceProcess:
         """Start `spec` again in place of its exited process; its log goes on after `header`."""
-        old = self._processes[spec.name]
+        old = self._processes[launch.name]
         if old.alive:
-            raise ValueError(f"{spec.name} is still running")
+            raise ValueError(f"{launch.name} is still running")
         old.finish_output()
         proc = ServiceProcess(
-            spec, old.log_path, self._echo, self._echo_lock, self._preexec, header=header
+            launch, old.log_path, self._echo, self._echo_lock, self._preexec, header=header
         )
-        self._processes[spec.name] = proc
+        self._processes[launch.name] = proc
         return proc
 
     def announce(self, text: str) -> None:
@@ -230,7 +232,10 @@ class ProcessGroup:
         """Stop everything within about `grace_s` seconds; the `stop_last` wave goes second."""
         deadline = time.monotonic() + grace_s
         procs = list(self._processes.values())
-        waves = [[p for p in procs if not p.spec.stop_last], [p for p in procs if p.spec.stop_last]]
+        waves = [
+            [p for p in procs if not p.launch.stop_last],
+            [p for p in procs if p.launch.stop_last],
+        ]
         for i, wave in enumerate(waves):
             # The last wave always gets a moment, even if the first used up the grace period.
             wave_deadline = deadline if i == 0 else max(deadline, time.monotonic() + 1.0)

@@ -60,8 +60,8 @@ def services_ready(group: ProcessGroup) -> tuple[bool, str]:
     for proc in group.processes.values():
         if not proc.alive:  # a supervised stack is restarting it
             return False, f"{proc.name}: not running"
-        if proc.spec.ready is not None:
-            ready, answer = proc.spec.ready()
+        if proc.launch.ready is not None:
+            ready, answer = proc.launch.ready()
             if not ready:
                 return False, f"{proc.name}: {answer}"
     return True, "every service is ready"

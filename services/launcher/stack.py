@@ -19,7 +19,7 @@ import services
 from services.launcher.internal_tls import remove_internal_tls, with_internal_tls
 from services.launcher.internal_token import TOKEN_FILE, with_internal_token
 from services.launcher.ports import pick_free_ports, resolve_ports
-from services.launcher.processes import ProcessGroup, ServiceProcess, ServiceSpec
+from services.launcher.processes import ProcessGroup, ServiceLaunch, ServiceProcess
 from services.launcher.readiness import health_probe, probe, wait_until_ready
 from services.launcher.supervisor import ServiceGaveUp, Supervisor
 from shared.config.roles import WORKER_ROLES, WorkerRole
@@ -124,11 +124,11 @@ def resolve_config(config: DeploymentConfig, cpus: int | None = None) -> Deploym
     return config.model_copy(update={"models": models})
 
 
-def service_specs(
+def service_launches(
     config: DeploymentConfig,
     config_path: Path,
     coordinators: list[CoordinatorSlot] | None = None,
-) -> list[ServiceSpec]:
+) -> list[ServiceLaunch]:
     """The coordinators first, then every worker; `config` must already be resolved."""
     return [
         *(
@@ -141,13 +141,13 @@ def service_specs(
 
 def coordinator_spec(
     config: DeploymentConfig, config_path: Path, slot: CoordinatorSlot
-) -> ServiceSpec:
+) -> ServiceLaunch:
     # The coordinator does no tensor work; it only has to stay out of the workers' cores.
     threads = min(m.worker.threads or default_threads(config) for m in config.models)
     argv = [*_SERVE, COORDINATOR, "--config", str(config_path)]
     if slot.name != COORDINATOR:  # the first one's ports are the config's own
         argv += ["--port", str(slot.port), "--registry-port", str(slot.registry_port)]
-    return ServiceSpec(
+    return ServiceLaunch(
         slot.name,
         argv,
         _child_env(threads),
@@ -156,7 +156,7 @@ def coordinator_spec(
     )
 
 
-def worker_spec(config: DeploymentConfig, config_path: Path, slot: WorkerSlot) -> ServiceSpec:
+def worker_spec(config: DeploymentConfig, config_path: Path, slot: WorkerSlot) -> ServiceLaunch:
     """One worker on a port chosen now, so the launcher can ask its health service whether
     it serves; each restart takes a fresh port (the registry replaces the entry)."""
     host = _connect_host(config.worker_host)
@@ -164,7 +164,7 @@ def worker_spec(config: DeploymentConfig, config_path: Path, slot: WorkerSlot) -
     argv = [*_SERVE, slot.role, "--config", str(config_path)]
     argv += ["--model-id", slot.model_id, "--index", str(slot.index), "--port", str(port)]
     threads = config.model(slot.model_id).worker.threads or default_threads(config)
-    return ServiceSpec(
+    return ServiceLaunch(
         slot.name,
         argv,
         _child_env(threads),
@@ -321,8 +321,8 @@ def start_local_stack(
     coordinators = coordinator_slots(resolved)
     stack = LocalStack(resolved, run_dir, config_path, ProcessGroup(run_dir, echo), coordinators)
     try:
-        for spec in service_specs(resolved, config_path, coordinators):
-            stack.group.start(spec)
+        for launch in service_launches(resolved, config_path, coordinators):
+            stack.group.start(launch)
         if supervise:  # from the first start: a crash while starting is retried too
             stack.supervise(started=False)
         # Every coordinator ready: each one can route (workers register with each).

@@ -131,9 +131,9 @@ class Supervisor:
             self._restart(proc, watch, now)
 
     def _started(self, proc: ServiceProcess, watch: _Watch, now: float) -> bool:
-        if proc.spec.ready is None:
+        if proc.launch.ready is None:
             return now - watch.started_at >= UNCHECKED_READY_S
-        return proc.spec.ready()[0]
+        return proc.launch.ready()[0]
 
     def _died(self, proc: ServiceProcess, watch: _Watch, now: float) -> None:
         returncode = proc.returncode
@@ -158,14 +158,14 @@ class Supervisor:
         )
 
     def _restart(self, proc: ServiceProcess, watch: _Watch, now: float) -> None:
-        spec = proc.spec.renew() if proc.spec.renew is not None else proc.spec
+        launch = proc.launch.renew() if proc.launch.renew is not None else proc.launch
         returncode = proc.returncode
         assert returncode is not None
         header = (
             f"--- splitserve: restart {watch.restarts + 1} of {proc.name} "
             f"(the last start exited with {describe_exit(returncode)}) ---"
         )
-        self.group.restart(spec, header)
+        self.group.restart(launch, header)
         # Counted once the new process is in the group: whoever sees the count sees it.
         watch.restarts += 1
         watch.restart_at = None

@@ -38,22 +38,22 @@ def local_prefill(
         return LocalPrefill(None, "conditional disaggregation off (local_prefill_max_tokens=0)")
     if not decodes or not block_hashes:
         return LocalPrefill(None, "no decode replica holds any of the prompt")
-    by_id = {d.replica_id: d for d in decodes}
+    by_id = {d.worker_id: d for d in decodes}
     if previous_decode is not None and previous_decode in by_id:
         target, why = by_id[previous_decode], "served the previous turn"
     else:
         # Absent a usable previous turn: the decode replica holding the longest prefix.
         target = min(
-            decodes, key=lambda d: (-index.prefix(d.replica_id, block_hashes).blocks, d.replica_id)
+            decodes, key=lambda d: (-index.prefix(d.worker_id, block_hashes).blocks, d.worker_id)
         )
         why = "holds the longest prefix"
         if previous_decode is not None:
             why += f" (previous {previous_decode} is gone or full)"
-    hit = index.prefix(target.replica_id, block_hashes)
+    hit = index.prefix(target.worker_id, block_hashes)
     cached = cached_tokens(hit, block_size, prompt_tokens).total
     if cached == 0:
-        return LocalPrefill(None, f"{target.replica_id} ({why}) holds none of the prompt")
-    held = f"{target.replica_id} ({why}) holds {cached}/{prompt_tokens} tokens"
+        return LocalPrefill(None, f"{target.worker_id} ({why}) holds none of the prompt")
+    held = f"{target.worker_id} ({why}) holds {cached}/{prompt_tokens} tokens"
     refusal = disaggregate_because(cached, prompt_tokens, cfg)
     if refusal is not None:
         return LocalPrefill(None, f"{held}{refusal}: disaggregated")

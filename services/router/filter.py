@@ -47,14 +47,14 @@ def filter_replicas(
     cfg: RouterConfig,
     need_blocks: int = 0,
 ) -> Filtered:
-    candidates = sorted(eligible(replicas, model, roles), key=lambda r: r.replica_id)
+    candidates = sorted(eligible(replicas, model, roles), key=lambda r: r.worker_id)
     kept, notes = [], []
     for r in candidates:
         why = over_capacity(r, cfg, need_blocks)
         if why is None:
             kept.append(r)
         else:
-            notes.append(f"{r.replica_id} skipped: {why}")
+            notes.append(f"{r.worker_id} skipped: {why}")
     if candidates and not kept:
         return Filtered(candidates, [*notes, "every candidate is over a limit: limits waived"])
     return Filtered(kept, notes)

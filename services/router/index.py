@@ -100,14 +100,14 @@ class KVIndex:
 
     def _store(self, replica: str, view: ReplicaView, e: KVEvent) -> None:
         for h in e.block_hashes:
-            view.held[h] = e.tier
-            self._holders.setdefault(h, {})[replica] = e.tier
+            view.held[h] = e.kv_tier
+            self._holders.setdefault(h, {})[replica] = e.kv_tier
 
     def _remove(self, replica: str, view: ReplicaView, e: KVEvent) -> None:
         # A block moving device -> host is "stored host" then "removed device" (or the other
         # way round): only a removal from the tier we have it in forgets it.
         for h in e.block_hashes:
-            if view.held.get(h) != e.tier:
+            if view.held.get(h) != e.kv_tier:
                 continue
             del view.held[h]
             holders = self._holders[h]
@@ -152,10 +152,10 @@ class KVIndex:
             return PrefixHit()
         counts = {"device": 0, "host": 0, "disk": 0}
         for h in block_hashes:
-            tier = view.held.get(h)
-            if tier is None:
+            kv_tier = view.held.get(h)
+            if kv_tier is None:
                 break
-            counts[tier] += 1
+            counts[kv_tier] += 1
         return PrefixHit(**counts)
 
     def check_integrity(self) -> None:
@@ -164,7 +164,7 @@ class KVIndex:
         for replica, view in self._replicas.items():
             if view.stale and view.held:
                 raise AssertionError(f"stale replica {replica} still holds {len(view.held)}")
-            for h, tier in view.held.items():
-                inverse.setdefault(h, {})[replica] = tier
+            for h, kv_tier in view.held.items():
+                inverse.setdefault(h, {})[replica] = kv_tier
         if inverse != self._holders:
             raise AssertionError("KV index: hash -> holders disagrees with the replicas' views")

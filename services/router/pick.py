@@ -10,7 +10,7 @@ from typing import Protocol, TypeVar
 
 class Scored(Protocol):
     @property
-    def replica_id(self) -> str: ...
+    def worker_id(self) -> str: ...
     @property
     def cost(self) -> float: ...
     @property
@@ -23,4 +23,4 @@ S = TypeVar("S", bound=Scored)
 def pick(scores: Sequence[S]) -> S | None:
     if not scores:
         return None
-    return min(scores, key=lambda s: (s.cost, s.tiebreak, s.replica_id))
+    return min(scores, key=lambda s: (s.cost, s.tiebreak, s.worker_id))

@@ -67,18 +67,18 @@ class RouterPipeline:
                 cfg,
             )
             if local.replica is not None:
-                return Route(None, local.replica.replica_id, [*notes, local.reason])
+                return Route(None, local.replica.worker_id, [*notes, local.reason])
             prefill, why = self._choose_prefill(prefills.kept, index, hashes, prompt)
             decode = pick([score_decode(d, cfg) for d in decodes.kept])
             assert decode is not None  # decodes.kept is not empty
             return Route(
                 prefill,
-                decode.replica_id,
+                decode.worker_id,
                 [
                     *notes,
                     local.reason,
                     *why,
-                    f"decode {decode.replica_id} (least loaded): {decode.describe()}",
+                    f"decode {decode.worker_id} (least loaded): {decode.describe()}",
                 ],
             )
         both = filter_replicas(replicas, request.model, ("both",), cfg, need)
@@ -98,13 +98,13 @@ class RouterPipeline:
         if cfg.policy == "round_robin":
             chosen = candidates[self._turn % len(candidates)]
             self._turn += 1
-            return chosen.replica_id, [f"prefill {chosen.replica_id} (round_robin)"]
+            return chosen.worker_id, [f"prefill {chosen.worker_id} (round_robin)"]
         scores = [
-            score_prefill(r, prompt, index.prefix(r.replica_id, hashes), self.block_size, cfg)
+            score_prefill(r, prompt, index.prefix(r.worker_id, hashes), self.block_size, cfg)
             for r in candidates
         ]
         best = pick(scores)
         assert best is not None  # candidates is not empty
-        lines = [f"prefill {best.replica_id} ({cfg.policy}, lowest cost)"]
+        lines = [f"prefill {best.worker_id} ({cfg.policy}, lowest cost)"]
         lines += [s.describe() for s in scores]
-        return best.replica_id, lines
+        return best.worker_id, lines

@@ -11,7 +11,7 @@ from shared.wire.records import WorkerLoad
 
 @dataclass(frozen=True)
 class ReplicaState:
-    replica_id: str
+    worker_id: str
     role: WorkerRole
     model: str
     alive: bool = True

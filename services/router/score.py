@@ -42,7 +42,7 @@ def cached_tokens(hit: PrefixHit, block_tokens: float, prompt_tokens: int) -> Ca
 
 @dataclass(frozen=True)
 class PrefillScore:
-    replica_id: str
+    worker_id: str
     prompt_tokens: int
     cached: CachedTokens
     queued_tokens: int
@@ -51,7 +51,7 @@ class PrefillScore:
     tiebreak: tuple[float, ...]  # then this, then the replica id
 
     def describe(self) -> str:
-        tiers = ", ".join(
+        kv_tiers = ", ".join(
             f"{name} {n}"
             for name, n in (
                 ("device", self.cached.device),
@@ -61,16 +61,16 @@ class PrefillScore:
             if n
         )
         cached = f"cached {self.cached.total}/{self.prompt_tokens} tokens"
-        if tiers:
-            cached += f" ({tiers})"
+        if kv_tiers:
+            cached += f" ({kv_tiers})"
         return (
-            f"{self.replica_id}: {cached}, work {self.work:.0f}, "
+            f"{self.worker_id}: {cached}, work {self.work:.0f}, "
             f"queued {self.queued_tokens} → cost {self.cost:.0f}"
         )
 
 
 def prefill_cost(
-    replica_id: str,
+    worker_id: str,
     prompt_tokens: int,
     cached: CachedTokens,
     queued_tokens: int,
@@ -95,7 +95,7 @@ def prefill_cost(
         cost, tiebreak = -float(cached.total), (in_flight, queued_tokens)
     else:  # least_loaded, as the coordinator did before: requests in flight, then tokens
         cost, tiebreak = float(in_flight), (queued_tokens,)
-    return PrefillScore(replica_id, prompt_tokens, cached, queued_tokens, work, cost, tiebreak)
+    return PrefillScore(worker_id, prompt_tokens, cached, queued_tokens, work, cost, tiebreak)
 
 
 def queued_estimate(r: ReplicaState, cfg: RouterConfig) -> int:
@@ -114,12 +114,12 @@ def score_prefill(
 ) -> PrefillScore:
     cached = cached_tokens(hit, block_tokens, prompt_tokens)
     queued = queued_estimate(r, cfg)
-    return prefill_cost(r.replica_id, prompt_tokens, cached, queued, cfg, policy, r.in_flight)
+    return prefill_cost(r.worker_id, prompt_tokens, cached, queued, cfg, policy, r.in_flight)
 
 
 @dataclass(frozen=True)
 class DecodeScore:
-    replica_id: str
+    worker_id: str
     active_kv_tokens: int
     sequences: int
     cost: float
@@ -127,7 +127,7 @@ class DecodeScore:
 
     def describe(self) -> str:
         return (
-            f"{self.replica_id}: {self.sequences} sequences, {self.active_kv_tokens} KV tokens "
+            f"{self.worker_id}: {self.sequences} sequences, {self.active_kv_tokens} KV tokens "
             f"→ cost {self.cost:.0f}"
         )
 
@@ -137,4 +137,4 @@ def score_decode(r: ReplicaState, cfg: RouterConfig) -> DecodeScore:
     plus a per-sequence share for those routed but not yet in a heartbeat."""
     sequences = r.load.running + r.in_flight
     cost = r.load.active_kv_tokens + cfg.decode_seq_tokens * sequences
-    return DecodeScore(r.replica_id, r.load.active_kv_tokens, sequences, float(cost))
+    return DecodeScore(r.worker_id, r.load.active_kv_tokens, sequences, float(cost))

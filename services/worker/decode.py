@@ -59,7 +59,7 @@ class DecodeService:
         return len(self._open)
 
     async def decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        rid = request.spec.request_id
+        rid = request.generation.request_id
         self._open.add(rid)
         try:
             # aclosing: a call cancelled while a message is on its way closes the stream now
@@ -71,15 +71,15 @@ class DecodeService:
             self._open.discard(rid)
 
     async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        spec = request.spec
-        rid = spec.request_id
+        generation = request.generation
+        rid = generation.request_id
         try:
-            params = params_from_proto(spec.sampling)
+            params = params_from_proto(generation.sampling)
         except SamplingParamError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if rid in self.runtime.cancelled:  # aborted before its Decode call got here
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
-        prompt = list(spec.prompt_token_ids)
+        prompt = list(generation.prompt_token_ids)
         table = None
         waited = time.perf_counter()
         if request.kv_transferred:
@@ -102,7 +102,7 @@ class DecodeService:
 
             def add(engine) -> str:
                 return engine.add_prefilled(
-                    rid, prompt, request.first_token, table, params, spec.priority
+                    rid, prompt, request.first_token, table, params, generation.priority
                 )
 
         elif request.kv_transferred:
@@ -112,7 +112,10 @@ class DecodeService:
 
             def add(engine) -> str:
                 return engine.add_request(
-                    prompt + [request.first_token], params, request_id=rid, priority=spec.priority
+                    prompt + [request.first_token],
+                    params,
+                    request_id=rid,
+                    priority=generation.priority,
                 )
 
         else:
@@ -122,8 +125,8 @@ class DecodeService:
                     prompt,
                     params,
                     request_id=rid,
-                    priority=spec.priority,
-                    prompt_logprobs=spec.prompt_logprobs,
+                    priority=generation.priority,
+                    prompt_logprobs=generation.prompt_logprobs,
                 )
 
         # Tokens this replica's engine does not count: the first, streamed by prefill, when

@@ -20,7 +20,7 @@ from engine.core.engine import Engine
 from engine.core.scheduler import StepBatch
 from services.worker.engine_steps import is_prefill_step
 
-# Scheduling priority (GenerateSpec.priority) -> the OpenAI service tier it came from.
+# Scheduling priority (Generation.priority) -> the OpenAI service tier it came from.
 PRIORITY_TIERS = {0: "priority", 1: "default", 2: "flex", 3: "batch"}
 
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

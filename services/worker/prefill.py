@@ -52,16 +52,16 @@ class PrefillService:
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillEvent]:
         """Yields the first token the moment it is sampled, then the KV push's outcome."""
-        spec = request.spec
-        rid = spec.request_id
+        generation = request.generation
+        rid = generation.request_id
         try:
-            params = params_from_proto(spec.sampling)
+            params = params_from_proto(generation.sampling)
         except SamplingParamError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if rid in self.runtime.cancelled:
             await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was cancelled")
         push = bool(request.destination.control_address)
-        prompt = list(spec.prompt_token_ids)
+        prompt = list(generation.prompt_token_ids)
         start = time.perf_counter()
         await self.runtime.delay_first_token()
 
@@ -70,8 +70,8 @@ class PrefillService:
                 prompt,
                 params,
                 request_id=rid,
-                priority=spec.priority,
-                prompt_logprobs=spec.prompt_logprobs,
+                priority=generation.priority,
+                prompt_logprobs=generation.prompt_logprobs,
                 keep_kv=True,
                 max_new_tokens=1,
             )

@@ -167,9 +167,9 @@ class RegistryClient:
             worker_id=self.runtime.worker_id,
             snapshot=True,
             events=[
-                kv_event_to_proto(KVEvent("stored", tuple(hashes), tier, seq))
-                for tier, hashes in cached.items()
-                if hashes or tier == "device"  # one event even when empty: it carries seq
+                kv_event_to_proto(KVEvent("stored", tuple(hashes), kv_tier, seq))
+                for kv_tier, hashes in cached.items()
+                if hashes or kv_tier == "device"  # one event even when empty: it carries seq
             ],
         )
         # What was pending up to `seq` is in the snapshot; what came after goes on top.

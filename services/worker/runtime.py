@@ -18,7 +18,7 @@ from engine.core.engine import Engine
 from engine.core.model_setup import load_serving_model
 from engine.kvcache.kv_dtype import resolve_kv_dtype
 from engine.kvcache.tables import BlockTable
-from engine.model import fp32_route
+from engine.model import fp32_gemm
 from services.kvtransfer.factory import create_pool, create_transfer_backend
 from services.kvtransfer.interface import TransferBackend
 from services.worker.arrivals import PARKED_KV_TTL_S, KVArrivals
@@ -145,7 +145,7 @@ class WorkerRuntime:
             kv_salt=self.tokenizer_fingerprint.encode() or None,
         )
         self.engine.format_choice = self.format_choice  # shown in Stats and /metrics
-        self._settle_fp32_routes()
+        self._settle_fp32_gemm()
         if self.tokenizer is not None:  # EOS / <|im_end|> end a reply on the worker itself
             self.engine.stop_token_ids = self.tokenizer.stop_token_ids
             # Structured outputs: grammars are compiled against the model's own vocabulary,
@@ -172,19 +172,22 @@ class WorkerRuntime:
         if self.faults.active:
             log.warning("FAULT INJECTION is on for %s: %s", self.worker_id, self.faults)
 
-    def _settle_fp32_routes(self) -> None:
-        """Route every fp32 GEMM row count a step here can have before the replica serves.
+    def _settle_fp32_gemm(self) -> None:
+        """Choose the fp32 GEMM call for every row count a step here can have before the
+        replica serves.
 
-        A row count's route is otherwise measured at the first step that has it: a verify
+        A row count's call is otherwise measured at the first step that has it: a verify
         step of a new batch size then stalls a live stream for the measurement (seconds on
         a cold pod, whose cache directory starts empty). Nothing registered (no fp32 weights,
         no fp32 draft head): nothing to do."""
         started = time.monotonic()
-        rows = min(fp32_route.ROW_BUCKETS[-1], self.engine_config.max_num_batched_tokens)
-        fp32_route.settle(rows)
+        rows = min(fp32_gemm.ROW_BUCKETS[-1], self.engine_config.max_num_batched_tokens)
+        fp32_gemm.settle(rows)
         spent = time.monotonic() - started
         if spent > 0.5:
-            log.info("%s fp32 routes for 1..%d rows ready in %.1f s", self.worker_id, rows, spent)
+            log.info(
+                "%s fp32 GEMM calls for 1..%d rows chosen in %.1f s", self.worker_id, rows, spent
+            )
 
     @property
     def tokenizer_fingerprint(self) -> str:

@@ -48,10 +48,10 @@ class _CallTrace(ABC):
     name = ""
     method = ""
 
-    def __init__(self, owner: WorkerTracing, spec: pb.GenerateSpec, metadata: Iterable | None):
+    def __init__(self, owner: WorkerTracing, generation: pb.Generation, metadata: Iterable | None):
         self.owner = owner
-        self.request_id = spec.request_id
-        self.tier = PRIORITY_TIERS.get(spec.priority, str(spec.priority))
+        self.request_id = generation.request_id
+        self.tier = PRIORITY_TIERS.get(generation.priority, str(generation.priority))
         self.span = owner.tracer.start_span(
             self.name,
             context=context_from_grpc(metadata),
@@ -62,7 +62,7 @@ class _CallTrace(ABC):
                 A.RPC_SERVICE: _RPC_SERVICE,
                 A.RPC_METHOD: self.method,
                 A.TIER: self.tier,
-                A.USAGE_INPUT_TOKENS: len(spec.prompt_token_ids),
+                A.USAGE_INPUT_TOKENS: len(generation.prompt_token_ids),
             },
         )
         self.recording = self.span.is_recording()
@@ -144,7 +144,7 @@ class PrefillTrace(_CallTrace):
     method = "Prefill"
 
     def __init__(self, owner: WorkerTracing, request: pb.PrefillRequest, metadata):
-        super().__init__(owner, request.spec, metadata)
+        super().__init__(owner, request.generation, metadata)
         self._first: tuple[pb.PrefillFirstToken, int] | None = None
 
     def record_first_token(self, first: pb.PrefillFirstToken) -> None:
@@ -204,7 +204,7 @@ class DecodeTrace(_CallTrace):
     method = "Decode"
 
     def __init__(self, owner: WorkerTracing, request: pb.DecodeRequest, metadata):
-        super().__init__(owner, request.spec, metadata)
+        super().__init__(owner, request.generation, metadata)
         self.local_prefill = False
         self.chunks_seen = 0
         self.kv_wait_ns = 0

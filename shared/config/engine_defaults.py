@@ -53,7 +53,7 @@ NUM_SPECULATIVE_TOKENS = 4
 # is accepted (the product of its top probabilities) falls below this. Measured with
 # `splitserve bench spec` on the chat set (fp32, b1, k=4): 0 -> 0.98x, 0.3 -> 1.25x,
 # 0.5 -> 1.17x of plain decoding: a doubted guess costs a verify row and a head step and is
-# seldom kept. Re-measured on an AVX2 EPYC with the fp32 route (a 2-row verify step there costs
+# seldom kept. Re-measured on an AVX2 EPYC with the fp32 GEMM calls (a 2-row verify step there costs
 # no more than a plain one): a cutoff priced per guess from the measured step costs gave
 # 1.09x (b1) and 0.62x (b8) against 1.14x and 0.88x with 0.3: the head's own top
 # probabilities are too rough an acceptance estimate to price a row with, so 0.3 stayed.
@@ -64,8 +64,8 @@ NUM_SPECULATIVE_TOKENS = 4
 # grounded b1 0.96/1.06x vs 0.85/0.87x; adaptive chat b1 2.26/2.28x vs 2.07/2.10x, chat b8
 # 1.50/1.32x vs 1.35/1.18x, grounded b1 1.72/1.77x vs 1.70/1.65x (grounded b8 split: 1.01/1.00x
 # vs 0.88/1.28x). 0.15 lost to both.
-# Then the fp32 route gained its single-stream native loop and four-output tiles on that
-# machine (engine/model/fp32_route.py), and a verify row became cheap again: 1 row 28.6 ms,
+# Then the fp32 GEMM calls gained its single-stream native loop and four-output tiles on that
+# machine (engine/model/fp32_gemm.py), and a verify row became cheap again: 1 row 28.6 ms,
 # 2 rows 30.7, 3 rows 33.4, 9 rows 45.6. Re-measured with the same head, one process, the
 # two cutoffs interleaved prompt by prompt, 0.3 against 0.5: head alone chat b1 1.46x vs
 # 1.26x, chat b8 0.92x vs 0.91x, grounded b1 1.03x vs 1.00x, grounded b8 0.91x vs 0.90x;

@@ -22,7 +22,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TierPolicy(_Strict):
+class ServiceTierPolicy(_Strict):
     """Targets (reported, not enforced) and queue limits of one tier."""
 
     ttft_goal_ms: float | None = Field(None, gt=0)
@@ -34,25 +34,27 @@ class TierPolicy(_Strict):
     burst: int = Field(0, ge=0)
 
 
-class TiersConfig(_Strict):
-    priority: TierPolicy = TierPolicy(ttft_goal_ms=500, itl_goal_ms=50, max_queue=256, burst=4)
+class ServiceTiersConfig(_Strict):
+    priority: ServiceTierPolicy = ServiceTierPolicy(
+        ttft_goal_ms=500, itl_goal_ms=50, max_queue=256, burst=4
+    )
     # No queue: under overload a default request is told to come back (429 + Retry-After).
-    default: TierPolicy = TierPolicy(ttft_goal_ms=2000, itl_goal_ms=100, max_queue=0)
-    flex: TierPolicy = TierPolicy(max_queue=256, max_wait_s=30.0)
-    batch: TierPolicy = TierPolicy(max_queue=4096)
+    default: ServiceTierPolicy = ServiceTierPolicy(ttft_goal_ms=2000, itl_goal_ms=100, max_queue=0)
+    flex: ServiceTierPolicy = ServiceTierPolicy(max_queue=256, max_wait_s=30.0)
+    batch: ServiceTierPolicy = ServiceTierPolicy(max_queue=4096)
     max_in_flight: int | None = Field(
         None, ge=1, description="requests in flight per model at the coordinator; None = no limit"
     )
     max_in_flight_per_model: dict[str, int] = Field(default_factory=dict)
 
-    def policy(self, tier: str) -> TierPolicy:
+    def policy(self, tier: str) -> ServiceTierPolicy:
         return getattr(self, tier)
 
     def limit(self, model_id: str) -> int | None:
         return self.max_in_flight_per_model.get(model_id, self.max_in_flight)
 
     @model_validator(mode="after")
-    def _positive_limits(self) -> TiersConfig:
+    def _positive_limits(self) -> ServiceTiersConfig:
         bad = {m: n for m, n in self.max_in_flight_per_model.items() if n < 1}
         if bad:
             raise ValueError(f"max_in_flight_per_model must be positive; got {bad}")
@@ -118,7 +120,7 @@ class RouteVariant(_Strict):
     models: list[str] = Field(min_length=1)
 
 
-class ModelRoute(_Strict):
+class SavedRouter(_Strict):
     """Addressed as `model: "router/<name>"`: first matching condition, else a sticky A/B
     variant, else `models`; the chosen list is tried in order under `fallback`."""
 
@@ -143,7 +145,7 @@ def compile_cel(expression: str) -> celpy.Runner:
     return env.program(env.compile(expression))
 
 
-def _check_model_routes(routes: dict[str, ModelRoute]) -> dict[str, ModelRoute]:
+def _check_model_routes(routes: dict[str, SavedRouter]) -> dict[str, SavedRouter]:
     for name, router in routes.items():
         if not name or "/" in name:
             raise ValueError(f"router name {name!r} must be non-empty and contain no '/'")
@@ -170,7 +172,7 @@ def _check_model_routes(routes: dict[str, ModelRoute]) -> dict[str, ModelRoute]:
     return routes
 
 
-ModelRoutesConfig = Annotated[dict[str, ModelRoute], AfterValidator(_check_model_routes)]
+ModelRoutesConfig = Annotated[dict[str, SavedRouter], AfterValidator(_check_model_routes)]
 
 
 def _fill_prices(prices: dict[TierName, Price]) -> dict[TierName, Price]:

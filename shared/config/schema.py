@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shared.config import engine_defaults as defaults
 from shared.config.engine_defaults import KVCacheDtype, PreemptionMode
 from shared.config.faults import FaultInjection
-from shared.config.policy import ApiKeysConfig, ModelRoutesConfig, Prices, TiersConfig
+from shared.config.policy import ApiKeysConfig, ModelRoutesConfig, Prices, ServiceTiersConfig
 from shared.config.router import RouterConfig
 from shared.config.speculative import SpeculativeConfig
 
@@ -270,7 +270,7 @@ class DeploymentConfig(_Strict):
     )
     telemetry: TelemetryConfig = TelemetryConfig()
     internal_auth: InternalAuthConfig = InternalAuthConfig()
-    tiers: TiersConfig = TiersConfig()
+    tiers: ServiceTiersConfig = ServiceTiersConfig()
     api_keys: ApiKeysConfig = ApiKeysConfig()
     prices: Prices = Field(default_factory=dict, validate_default=True)
     routers: ModelRoutesConfig = Field(default_factory=dict)

@@ -21,7 +21,7 @@ EventKind = Literal["stored", "removed"]
 class KVEvent:
     kind: EventKind
     block_hashes: tuple[int, ...]
-    tier: KVTier
+    kv_tier: KVTier
     seq: int
 
 
@@ -40,17 +40,19 @@ class KVEventLog:
         """Sequence number of the newest event; 0 before the first one."""
         return self._last_seq
 
-    def emit(self, kind: EventKind, tier: KVTier, block_hashes: list[int]) -> KVEvent | None:
+    def emit(self, kind: EventKind, kv_tier: KVTier, block_hashes: list[int]) -> KVEvent | None:
         if not block_hashes:
             return None
         self._last_seq += 1
-        event = KVEvent(kind=kind, block_hashes=tuple(block_hashes), tier=tier, seq=self._last_seq)
+        event = KVEvent(
+            kind=kind, block_hashes=tuple(block_hashes), kv_tier=kv_tier, seq=self._last_seq
+        )
         self._recent.append(event)
         if self._sink is not None:
             self._sink(event)
         return event
 
-    def emit_changes(self, tier: KVTier, changes: list[tuple[EventKind, int]]) -> None:
+    def emit_changes(self, kv_tier: KVTier, changes: list[tuple[EventKind, int]]) -> None:
         """Emit ordered (kind, hash) changes, one event per run of the same kind.
 
         Order matters: a hash removed and then stored again in one batch must end up stored.
@@ -59,7 +61,7 @@ class KVEventLog:
         for i, (kind, block_hash_) in enumerate(changes):
             run.append(block_hash_)
             if i + 1 == len(changes) or changes[i + 1][0] != kind:
-                self.emit(kind, tier, run)
+                self.emit(kind, kv_tier, run)
                 run = []
 
     def events_since(self, seq: int) -> list[KVEvent]:

@@ -46,7 +46,7 @@ class StructuredOutput(_message.Message):
     replay_tokens: int
     def __init__(self, kind: _Optional[str] = ..., schema_json: _Optional[str] = ..., replay_tokens: _Optional[int] = ...) -> None: ...
 
-class GenerateSpec(_message.Message):
+class Generation(_message.Message):
     __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "priority", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -91,12 +91,12 @@ class KVDestination(_message.Message):
     def __init__(self, control_address: _Optional[str] = ..., agent_name: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("spec", "destination")
-    SPEC_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "destination")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
-    spec: GenerateSpec
+    generation: Generation
     destination: KVDestination
-    def __init__(self, spec: _Optional[_Union[GenerateSpec, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    def __init__(self, generation: _Optional[_Union[Generation, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class TransferOutcome(_message.Message):
     __slots__ = ("status", "error", "nbytes", "seconds", "backend", "num_blocks")
@@ -149,16 +149,16 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferOutcome, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("spec", "kv_transferred", "first_token", "kv_deadline_s")
-    SPEC_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("generation", "kv_transferred", "first_token", "kv_deadline_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
-    spec: GenerateSpec
+    generation: Generation
     kv_transferred: bool
     first_token: int
     kv_deadline_s: float
-    def __init__(self, spec: _Optional[_Union[GenerateSpec, _Mapping]] = ..., kv_transferred: _Optional[bool] = ..., first_token: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, generation: _Optional[_Union[Generation, _Mapping]] = ..., kv_transferred: _Optional[bool] = ..., first_token: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "token_time_ms", "finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "local_prefill", "kv_wait_ms", "prompt_logprobs", "handed_over")
@@ -287,16 +287,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., resync_from_seq: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("kind", "block_hashes", "tier", "seq")
+    __slots__ = ("kind", "block_hashes", "kv_tier", "seq")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    TIER_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     kind: str
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    tier: str
+    kv_tier: str
     seq: int
-    def __init__(self, kind: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., kv_tier: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("worker_id", "events", "snapshot")

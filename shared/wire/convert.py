@@ -140,8 +140,8 @@ def load_from_proto(m: pb.WorkerLoad) -> WorkerLoad:
 
 
 def kv_event_to_proto(e: KVEvent) -> pb.KVEvent:
-    return pb.KVEvent(kind=e.kind, block_hashes=e.block_hashes, tier=e.tier, seq=e.seq)
+    return pb.KVEvent(kind=e.kind, block_hashes=e.block_hashes, kv_tier=e.kv_tier, seq=e.seq)
 
 
 def kv_event_from_proto(m: pb.KVEvent) -> KVEvent:
-    return KVEvent(kind=m.kind, block_hashes=tuple(m.block_hashes), tier=m.tier, seq=m.seq)  # type: ignore[arg-type]  # the worker sent one of ours
+    return KVEvent(kind=m.kind, block_hashes=tuple(m.block_hashes), kv_tier=m.kv_tier, seq=m.seq)  # type: ignore[arg-type]  # the worker sent one of ours

@@ -24,7 +24,7 @@ from shared.proto_gen import worker_pb2 as pb
 from shared.proto_gen import worker_pb2_grpc as pb_grpc
 from tests.waiting import wait_until
 from tools.bench import chaos_bench
-from tools.bench.chaos_bench import ChaosBenchSpec
+from tools.bench.chaos_bench import ChaosBenchPlan
 
 pytestmark = pytest.mark.real_model
 
@@ -218,7 +218,7 @@ def test_bench_chaos_kill_coordinator_loses_only_the_killed_coordinators_streams
     # The benchmark's scenario, small: 4 streams over both coordinators, the second killed.
     assert wait_until(lambda: stack.supervisor.is_ready("coordinator-1"), 30)
     assert wait_until(lambda: _one_view(stack), 10)
-    spec = ChaosBenchSpec(streams=4, max_tokens=16, prefill=1, coordinators=2, hit_after_tokens=3)
+    spec = ChaosBenchPlan(streams=4, max_tokens=16, prefill=1, coordinators=2, hit_after_tokens=3)
     s = chaos_bench._scenario(stack, spec, "kill_coordinator", WORKERS)
     assert s["on_killed_coordinator"] == 2 and s["failed_on_survivors"] == 0, s
     assert s["identical"] >= 2 and s["leaked_blocks"] == 0, s

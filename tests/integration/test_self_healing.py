@@ -210,13 +210,13 @@ def test_ready_lists_the_missing_role_and_health_waits_for_registration(stack):
     try:
         stack.processes["decode-0"].kill(signal.SIGKILL)
         assert wait_until(lambda: stack.supervisor.restarts("decode-0") > restarts, 60)
-        spec = stack.processes["decode-0"].spec
-        assert wait_until(lambda: spec.ready() == (False, "health NOT_SERVING"), 60)
+        launch = stack.processes["decode-0"].launch
+        assert wait_until(lambda: launch.ready() == (False, "health NOT_SERVING"), 60)
         time.sleep(1.0)
-        assert spec.ready() == (False, "health NOT_SERVING")
+        assert launch.ready() == (False, "health NOT_SERVING")
     finally:
         coordinator.kill(signal.SIGCONT)
-    assert wait_until(lambda: spec.ready() == (True, "health SERVING"), 90)
+    assert wait_until(lambda: launch.ready() == (True, "health SERVING"), 90)
 
 
 def test_sigterm_drains_a_decode_worker(stack, calm):

@@ -48,11 +48,11 @@ def test_sparse_mlp_is_the_same_through_either_kernel(shared_expert):
         return Linear(torch.randn(rows, cols, generator=gen) / cols**0.5, "fp32")
 
     pairs = [(linear(2 * inter, hidden), linear(hidden, inter)) for _ in range(experts)]
-    router = torch.randn(experts, hidden, generator=gen)
+    expert_gate = torch.randn(experts, hidden, generator=gen)
     shared = (linear(2 * 24, hidden), linear(hidden, 24), 24) if shared_expert else None
     gate = torch.randn(1, hidden, generator=gen) if shared_expert else None
     layers = [
-        SparseMLP(router, pairs, inter, 2, True, "silu", shared, gate, kernel=kernel)
+        SparseMLP(expert_gate, pairs, inter, 2, True, "silu", shared, gate, kernel=kernel)
         for kernel in ("torch", "triton")
     ]
     x = torch.randn(19, hidden, generator=gen)

@@ -41,7 +41,9 @@ def snapshot(m: BlockManager) -> tuple:
 
 
 def removed_on_device(events: list[KVEvent]) -> list[int]:
-    return [h for e in events if e.kind == "removed" and e.tier == "device" for h in e.block_hashes]
+    return [
+        h for e in events if e.kind == "removed" and e.kv_tier == "device" for h in e.block_hashes
+    ]
 
 
 # -- hashing ---------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def test_match_prefix_changes_nothing():
     m.commit_full_blocks(a.table, list(range(9)))
     before = snapshot(m)
     match = m.match_prefix(list(range(12)))
-    assert match.num_blocks == 2 and match.num_tokens == 8 and match.tiers == ("device",) * 2
+    assert match.num_blocks == 2 and match.num_tokens == 8 and match.kv_tiers == ("device",) * 2
     assert snapshot(m) == before
 
 
@@ -432,9 +434,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         index: dict[str, set[int]] = {"device": set(), "host": set(), "disk": set()}
         for e in self.events:
             if e.kind == "stored":
-                index[e.tier].update(e.block_hashes)
+                index[e.kv_tier].update(e.block_hashes)
             else:
-                index[e.tier].difference_update(e.block_hashes)
+                index[e.kv_tier].difference_update(e.block_hashes)
         host = self.m.host_kv_tier
         assert host is not None and host.disk is not None
         assert index["device"] == set(self.m._device._hash_to_block)

@@ -25,10 +25,10 @@ DEVICES = [
 
 def make_manager(tmp_path: Path, device=4, host=2, disk=3, where="cpu"):
     pool = KVPool(LAYOUT, device, device=where)
-    tier = HostKVTier(host, LAYOUT.block_shape, LAYOUT.dtype, DiskKVTier(tmp_path / "kv", disk))
+    kv_tier = HostKVTier(host, LAYOUT.block_shape, LAYOUT.dtype, DiskKVTier(tmp_path / "kv", disk))
     events: list[KVEvent] = []
-    manager = BlockManager(device, LAYOUT.block_size, SALT, tier, pool, events.append)
-    return manager, pool, tier, events
+    manager = BlockManager(device, LAYOUT.block_size, SALT, kv_tier, pool, events.append)
+    return manager, pool, kv_tier, events
 
 
 def run_and_free(m: BlockManager, pool: KVPool, prompt: list[int], gen: torch.Generator):
@@ -51,7 +51,7 @@ def replay(events: list[KVEvent]) -> dict[str, set[int]]:
     """What a router's index would believe after consuming the events."""
     index: dict[str, set[int]] = {"device": set(), "host": set(), "disk": set()}
     for e in events:
-        (index[e.tier].update if e.kind == "stored" else index[e.tier].difference_update)(
+        (index[e.kv_tier].update if e.kind == "stored" else index[e.kv_tier].difference_update)(
             e.block_hashes
         )
     return index
@@ -68,7 +68,7 @@ def test_evicted_blocks_spill_to_host_then_disk_and_come_back_bit_identical(tmp_
     h = [hash_prompt_blocks(p, LAYOUT.block_size, SALT) for p in prompts]
 
     # Device holds 4 blocks, host 2, disk 3; LRU with a prefix's tail evicted first.
-    assert [m.match_prefix(p).tiers for p in prompts] == [
+    assert [m.match_prefix(p).kv_tiers for p in prompts] == [
         ("disk", "disk"),
         ("host", "disk"),
         ("device", "host"),
@@ -95,7 +95,7 @@ def test_evicted_blocks_spill_to_host_then_disk_and_come_back_bit_identical(tmp_
     assert host.stats.loaded_blocks == 1 and host.stats.bytes_read == block_bytes
     assert host.disk.stats.loaded_blocks == 1 and host.disk.stats.bytes_read == block_bytes
     # Brought-back blocks are registered on the device again, and the router hears of it.
-    assert m.match_prefix(prompts[1]).tiers == ("device", "device")
+    assert m.match_prefix(prompts[1]).kv_tiers == ("device", "device")
     index = replay(events)
     assert {h[1][0], h[1][1]} <= index["device"]
     assert index["device"] == set(m._device._hash_to_block)
@@ -126,7 +126,7 @@ def test_event_sequence_numbers_increase_and_are_retained(tmp_path):
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert m.events.last_seq == len(events)
     assert m.events.events_since(2) == events[2:]
-    assert {e.tier for e in events} == {"device", "host", "disk"}
+    assert {e.kv_tier for e in events} == {"device", "host", "disk"}
 
 
 def test_event_log_keeps_order_within_a_batch():

@@ -16,7 +16,7 @@ import torch
 
 from engine.kvcache.pool import KVLayout
 from services.kvtransfer.nixl import NixlTransferBackend, NixlUnavailableError, nixl_import_error
-from tools.bench.transfer_peer import PeerProcess, PeerSpec, alarm_after
+from tools.bench.transfer_peer import PeerPlan, PeerProcess, alarm_after
 
 NIXL_IMPORT_ERROR = nixl_import_error()
 
@@ -48,8 +48,8 @@ def test_missing_nixl_is_a_clear_construction_error(monkeypatch):
 @pytest.fixture(scope="module")
 def pair():
     with alarm_after(90):
-        prefill = PeerProcess(PeerSpec("nixl", "nixl-prefill", LAYOUT, NUM_BLOCKS, 0.3))
-        decode = PeerProcess(PeerSpec("nixl", "nixl-decode", LAYOUT, NUM_BLOCKS, 0.3))
+        prefill = PeerProcess(PeerPlan("nixl", "nixl-prefill", LAYOUT, NUM_BLOCKS, 0.3))
+        decode = PeerProcess(PeerPlan("nixl", "nixl-decode", LAYOUT, NUM_BLOCKS, 0.3))
         pre_md, dec_md = prefill.register(), decode.register()
         prefill.add_peer(dec_md)
         decode.add_peer(pre_md)
@@ -84,7 +84,7 @@ def test_receiver_times_out_when_nobody_sends(pair):
 
 def test_receiver_killed_sender_fails_well_before_its_deadline(pair):
     prefill, _ = pair
-    with PeerProcess(PeerSpec("nixl", "nixl-victim", LAYOUT, NUM_BLOCKS)) as victim:
+    with PeerProcess(PeerPlan("nixl", "nixl-victim", LAYOUT, NUM_BLOCKS)) as victim:
         victim_md = victim.register()
         prefill.add_peer(victim_md)
         remote = victim.prepare_receive("gone", [1, 2, 3], 30.0)
@@ -104,8 +104,8 @@ def big_pair():
     # copies through shared memory inside the transfer call itself, leaving nothing to abort.
     with alarm_after(90), pytest.MonkeyPatch.context() as env:
         env.setenv("UCX_TLS", "tcp")
-        sender = PeerProcess(PeerSpec("nixl", "nixl-big-prefill", BIG, BIG_BLOCKS, 0.3))
-        receiver = PeerProcess(PeerSpec("nixl", "nixl-big-decode", BIG, BIG_BLOCKS, 0.3))
+        sender = PeerProcess(PeerPlan("nixl", "nixl-big-prefill", BIG, BIG_BLOCKS, 0.3))
+        receiver = PeerProcess(PeerPlan("nixl", "nixl-big-decode", BIG, BIG_BLOCKS, 0.3))
         sender_md, receiver_md = sender.register(), receiver.register()
         sender.add_peer(receiver_md)
         receiver.add_peer(sender_md)

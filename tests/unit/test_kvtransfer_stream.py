@@ -18,7 +18,7 @@ import torch
 
 from engine.kvcache.pool import KVLayout
 from services.kvtransfer.types import AgentMetadata, BlockDescriptor, ReceiveDescriptors
-from tools.bench.transfer_peer import PeerProcess, PeerSpec, alarm_after
+from tools.bench.transfer_peer import PeerPlan, PeerProcess, alarm_after
 
 # 1 MiB blocks; 64 of them outgrow loopback socket buffers many times over.
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=4, head_dim=128, block_size=16, dtype=torch.bfloat16)
@@ -42,15 +42,15 @@ class Pair:
     decode_md: AgentMetadata
 
 
-def spec(kind: str, name: str, options: dict | None = None) -> PeerSpec:
-    return PeerSpec(kind, f"{name}-{kind}", LAYOUT, NUM_BLOCKS, GRACE_S, options or {})
+def plan(kind: str, name: str, options: dict | None = None) -> PeerPlan:
+    return PeerPlan(kind, f"{name}-{kind}", LAYOUT, NUM_BLOCKS, GRACE_S, options or {})
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])
 def pair(request):
     kind = request.param
     with alarm_after(90):
-        prefill, decode = PeerProcess(spec(kind, "prefill")), PeerProcess(spec(kind, "decode"))
+        prefill, decode = PeerProcess(plan(kind, "prefill")), PeerProcess(plan(kind, "decode"))
         prefill_md, decode_md = prefill.register(), decode.register()
         prefill.add_peer(decode_md)
         decode.add_peer(prefill_md)
@@ -91,7 +91,7 @@ def test_receiver_times_out_when_nobody_sends(pair):
 
 def test_transfer_for_an_unprepared_request_is_refused(pair):
     block = BlockDescriptor(5, 5 * LAYOUT.block_bytes, LAYOUT.block_bytes)
-    fake = ReceiveDescriptors("unprepared", pair.decode.spec.agent_name, (block,))
+    fake = ReceiveDescriptors("unprepared", pair.decode.plan.agent_name, (block,))
     pair.prefill.send("unprepared", [5], fake, 5.0)
     result = pair.prefill.wait("unprepared")
     assert result["state"] == "failed"
@@ -110,7 +110,7 @@ def wait_until_moving(peer: PeerProcess, rid: str) -> None:
 
 def test_receiver_killed_mid_transfer(pair):
     slow = {"socket_buffer_bytes": 4096} if pair.kind == "tcp" else {}
-    with PeerProcess(spec(pair.kind, "doomed-decode", slow)) as victim:
+    with PeerProcess(plan(pair.kind, "doomed-decode", slow)) as victim:
         victim_md = victim.register()
         victim.add_peer(pair.prefill_md)
         pair.prefill.add_peer(victim_md)
@@ -134,7 +134,7 @@ def test_receiver_killed_mid_transfer(pair):
 
 def test_sender_killed_mid_transfer(pair):
     slow = {"socket_buffer_bytes": 4096} if pair.kind == "tcp" else {}
-    with PeerProcess(spec(pair.kind, "doomed-prefill", slow)) as victim:
+    with PeerProcess(plan(pair.kind, "doomed-prefill", slow)) as victim:
         victim_md = victim.register()
         victim.add_peer(pair.decode_md)
         pair.decode.add_peer(victim_md)

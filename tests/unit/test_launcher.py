@@ -24,7 +24,7 @@ import pytest
 
 from services.launcher import stack as stack_module
 from services.launcher.ports import pick_free_ports, resolve_ports
-from services.launcher.processes import ProcessGroup, ServiceDied, ServiceSpec
+from services.launcher.processes import ProcessGroup, ServiceDied, ServiceLaunch
 from services.launcher.readiness import (
     StartupCancelled,
     StartupTimeout,
@@ -34,7 +34,7 @@ from services.launcher.readiness import (
 from services.launcher.stack import (
     coordinator_slots,
     resolve_config,
-    service_specs,
+    service_launches,
     start_local_stack,
     worker_slots,
 )
@@ -100,11 +100,11 @@ TEST_CHILD_LAUNCHER = """
     # prints their pids, and waits to be killed.
     import json, sys, time
     from pathlib import Path
-    from services.launcher.processes import ProcessGroup, ServiceSpec
+    from services.launcher.processes import ProcessGroup, ServiceLaunch
     log_dir, sleeper, marker = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     group = ProcessGroup(log_dir)
     pids = [
-        group.start(ServiceSpec(f"s{i}", [sys.executable, sleeper, marker, f"s{i}"])).pid
+        group.start(ServiceLaunch(f"s{i}", [sys.executable, sleeper, marker, f"s{i}"])).pid
         for i in range(2)
     ]
     print(json.dumps(pids), flush=True)
@@ -191,7 +191,7 @@ def _wait_for_log(log_path: Path, text: str) -> None:
 
 def test_readiness_wait_returns_once_ready(group, echo, children):
     (port,) = pick_free_ports(1)
-    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "0.5"]))
+    group.start(ServiceLaunch("server", [PY, children["ready_server"], str(port), "0.5"]))
     url = f"http://127.0.0.1:{port}/ready"
     start = time.monotonic()
     wait_until_ready(url, group, timeout_s=20, interval_s=0.05)
@@ -202,7 +202,7 @@ def test_readiness_wait_returns_once_ready(group, echo, children):
 
 def test_readiness_times_out_with_the_last_answer(group, children):
     (port,) = pick_free_ports(1)
-    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "1000"]))
+    group.start(ServiceLaunch("server", [PY, children["ready_server"], str(port), "1000"]))
     url = f"http://127.0.0.1:{port}/ready"
     _wait_for_log(group.log_dir / "server.log", "listening")
     with pytest.raises(StartupTimeout, match='HTTP 503 {"ready": false}'):
@@ -211,7 +211,7 @@ def test_readiness_times_out_with_the_last_answer(group, children):
 
 def test_readiness_wait_stops_when_cancelled(group, children):
     (port,) = pick_free_ports(1)
-    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "1000"]))
+    group.start(ServiceLaunch("server", [PY, children["ready_server"], str(port), "1000"]))
     cancel = threading.Event()
     threading.Timer(0.3, cancel.set).start()
     with pytest.raises(StartupCancelled):
@@ -220,8 +220,8 @@ def test_readiness_wait_stops_when_cancelled(group, children):
 
 def test_a_child_dying_early_fails_startup_with_its_name_and_log_tail(group, echo, children):
     (port,) = pick_free_ports(1)
-    group.start(ServiceSpec("server", [PY, children["ready_server"], str(port), "1000"]))
-    group.start(ServiceSpec("crasher", [PY, children["crash"]]))
+    group.start(ServiceLaunch("server", [PY, children["ready_server"], str(port), "1000"]))
+    group.start(ServiceLaunch("crasher", [PY, children["crash"]]))
     with pytest.raises(ServiceDied) as info:
         wait_until_ready(f"http://127.0.0.1:{port}/ready", group, timeout_s=30, interval_s=0.05)
     died = info.value
@@ -242,10 +242,10 @@ def test_stop_terminates_workers_before_the_last_wave_and_kills_stragglers(
     marker = tmp_path / "terminated.txt"
     sleeper = [PY, children["sleeper"], str(marker)]
     procs = [
-        group.start(ServiceSpec("coordinator", [*sleeper, "coordinator"], stop_last=True)),
-        group.start(ServiceSpec("w0", [*sleeper, "w0"])),
-        group.start(ServiceSpec("stubborn", [*sleeper, "stubborn", "--ignore-term"])),
-        group.start(ServiceSpec("w1", [*sleeper, "w1"])),
+        group.start(ServiceLaunch("coordinator", [*sleeper, "coordinator"], stop_last=True)),
+        group.start(ServiceLaunch("w0", [*sleeper, "w0"])),
+        group.start(ServiceLaunch("stubborn", [*sleeper, "stubborn", "--ignore-term"])),
+        group.start(ServiceLaunch("w1", [*sleeper, "w1"])),
     ]
     for p in procs:
         _wait_for_log(p.log_path, "sleeping")
@@ -299,11 +299,11 @@ def test_start_local_stack_serves_until_stopped_and_cleans_up(monkeypatch, child
         server = [PY, children["ready_server"], str(config.coordinator.port), "0.3"]
         sleeper = [PY, children["sleeper"], str(marker), "prefill-0"]
         return [
-            ServiceSpec("coordinator", server, stop_last=True),
-            ServiceSpec("prefill-0", sleeper),
+            ServiceLaunch("coordinator", server, stop_last=True),
+            ServiceLaunch("prefill-0", sleeper),
         ]
 
-    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    monkeypatch.setattr(stack_module, "service_launches", test_specs)
     config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
     with start_local_stack(config, startup_timeout_s=20, run_dir=tmp_path / "run") as stack:
         port = stack.config.coordinator.port
@@ -326,11 +326,11 @@ def test_start_local_stack_stops_everything_when_a_service_dies(
     def test_specs(config, config_path, coordinators=None):
         server = [PY, children["ready_server"], str(config.coordinator.port), "1000"]
         return [
-            ServiceSpec("coordinator", server, stop_last=True),
-            ServiceSpec("decode-0", [PY, children["crash"]]),
+            ServiceLaunch("coordinator", server, stop_last=True),
+            ServiceLaunch("decode-0", [PY, children["crash"]]),
         ]
 
-    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    monkeypatch.setattr(stack_module, "service_launches", test_specs)
     config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
     run_dir = tmp_path / "run"
     with pytest.raises(ServiceDied, match="boom: simulated failure") as info:
@@ -343,20 +343,20 @@ def test_start_local_stack_stops_everything_when_a_service_dies(
 def test_a_service_crashing_while_the_stack_starts_is_restarted(monkeypatch, children, tmp_path):
     marker = tmp_path / "terminated.txt"
     argv = [PY, children["sleeper"], str(marker), "decode-0"]
-    sleeper = ServiceSpec("decode-0", argv, ready=lambda: (True, "sleeping"))
+    sleeper = ServiceLaunch("decode-0", argv, ready=lambda: (True, "sleeping"))
 
     def test_specs(config, config_path, coordinators=None):
         server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
         crash = [PY, "-c", "raise SystemExit(1)"]  # code 1: nothing a restart cannot fix
         return [
-            ServiceSpec("coordinator", server, stop_last=True),
+            ServiceLaunch("coordinator", server, stop_last=True),
             # Its first start never gets ready: it crashes.
-            ServiceSpec(
+            ServiceLaunch(
                 "decode-0", crash, ready=lambda: (False, "starting"), renew=lambda: sleeper
             ),
         ]
 
-    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    monkeypatch.setattr(stack_module, "service_launches", test_specs)
     config = parse_config({"coordinator": {"port": 0, "registry_port": 0}})
     with start_local_stack(config, startup_timeout_s=20, run_dir=tmp_path / "run") as stack:
         assert stack.supervisor.restarts("decode-0") == 1
@@ -402,7 +402,7 @@ def test_service_specs_start_the_coordinator_then_every_worker(tmp_path):
         cpus=8,
     )
     path = tmp_path / "c.yaml"
-    specs = service_specs(config, path)
+    specs = service_launches(config, path)
     names = [s.name for s in specs]
     assert names == ["coordinator", "a/prefill-0", "a/prefill-1", "a/decode-0", "b/both-0"]
     assert [s.stop_last for s in specs] == [True, False, False, False, False]
@@ -450,7 +450,7 @@ def test_several_coordinators_get_their_own_ports_and_every_worker_registers_wit
     assert [s.name for s in slots] == ["coordinator", "coordinator-1", "coordinator-2"]
     assert [f"127.0.0.1:{s.registry_port}" for s in slots] == list(c.registry_endpoints)
     assert slots[0].port == c.port and len({s.port for s in slots}) == 3
-    specs = service_specs(config, tmp_path / "c.yaml", slots)
+    specs = service_launches(config, tmp_path / "c.yaml", slots)
     assert [s.name for s in specs[:3]] == ["coordinator", "coordinator-1", "coordinator-2"]
     assert all(s.stop_last for s in specs[:3])
     assert list(specs[2].argv[-4:]) == [
@@ -463,9 +463,9 @@ def test_several_coordinators_get_their_own_ports_and_every_worker_registers_wit
 
 
 def test_group_refuses_two_services_with_one_name(group, children, tmp_path):
-    group.start(ServiceSpec("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
+    group.start(ServiceLaunch("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
     with pytest.raises(ValueError, match="already"):
-        group.start(ServiceSpec("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
+        group.start(ServiceLaunch("w", [PY, children["sleeper"], str(tmp_path / "m"), "w"]))
 
 
 def _fake_services(monkeypatch, children, tmp_path, worker_argv):
@@ -474,11 +474,11 @@ def _fake_services(monkeypatch, children, tmp_path, worker_argv):
     def test_specs(config, config_path, coordinators=None):
         server = [PY, children["ready_server"], str(config.coordinator.port), "0"]
         return [
-            ServiceSpec("coordinator", server, stop_last=True),
-            ServiceSpec("decode-0", worker_argv),
+            ServiceLaunch("coordinator", server, stop_last=True),
+            ServiceLaunch("decode-0", worker_argv),
         ]
 
-    monkeypatch.setattr(stack_module, "service_specs", test_specs)
+    monkeypatch.setattr(stack_module, "service_launches", test_specs)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # where `up` puts its run folder
 
 

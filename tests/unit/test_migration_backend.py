@@ -272,13 +272,13 @@ def test_decode_replica_prefills_locally_without_transfer(tiny_folder, real_toke
             disaggregated = await collect(fleet.loop, request("pd", 12))
             (decode,) = fleet.role("decode")
             async with grpc.aio.insecure_channel(decode.info.address) as channel:
-                spec = pb.GenerateSpec(
+                generation = pb.Generation(
                     request_id="local",
                     model=MODEL,
                     prompt_token_ids=PROMPT,
                     sampling=params_to_proto(SamplingParams(temperature=0.0, max_tokens=12)),
                 )
-                call = pb_grpc.WorkerStub(channel).Decode(pb.DecodeRequest(spec=spec))
+                call = pb_grpc.WorkerStub(channel).Decode(pb.DecodeRequest(generation=generation))
                 msgs = [m async for m in call]
             return disaggregated, msgs
         finally:

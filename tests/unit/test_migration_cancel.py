@@ -141,7 +141,7 @@ def test_abort_before_the_kv_arrives_refuses_it(tiny_folder, real_tokenizer):  #
             async with grpc.aio.insecure_channel(decode.info.address) as channel:
                 await pb_grpc.WorkerStub(channel).Abort(pb.AbortRequest(request_id="late"))
             req = request("late", 10)
-            spec = pb.GenerateSpec(
+            generation = pb.Generation(
                 request_id="late",
                 model=req.model,
                 prompt_token_ids=req.prompt_token_ids,
@@ -150,7 +150,7 @@ def test_abort_before_the_kv_arrives_refuses_it(tiny_folder, real_tokenizer):  #
             async with grpc.aio.insecure_channel(prefill.info.address) as channel:
                 call = pb_grpc.WorkerStub(channel).Prefill(
                     pb.PrefillRequest(
-                        spec=spec,
+                        generation=generation,
                         destination=pb.KVDestination(
                             control_address=decode.info.address,
                             agent_name=decode.info.transfer_agent,

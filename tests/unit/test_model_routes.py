@@ -8,7 +8,7 @@ import pytest
 
 from services.coordinator.errors import APIError
 from services.coordinator.main import check_policy
-from services.coordinator.route.saved_routers import ModelRoutes, bucket
+from services.coordinator.route.saved_routers import SavedRouters, bucket
 from services.coordinator.settings import APISettings
 from shared.config.schema import ConfigError, parse_config
 from tests.unit.coordinator_client import chat_body, meta, run_with_client
@@ -36,8 +36,8 @@ ROUTERS = {
 }
 
 
-def _routes() -> ModelRoutes:
-    return ModelRoutes(dict(parse_config({"routers": ROUTERS}).routers))
+def _routes() -> SavedRouters:
+    return SavedRouters(dict(parse_config({"routers": ROUTERS}).routers))
 
 
 def _view(metadata=None, messages=1, user="") -> dict:
@@ -137,7 +137,7 @@ def test_saved_router_over_http(real_tokenizer):
         {BIG: Script(first_token_delay_s=5.0), SMALL: Script(), CANARY: Script()},
     )
     settings = APISettings(
-        model_id=SMALL, model_routes=dict(parse_config({"routers": ROUTERS}).routers)
+        model_id=SMALL, saved_routers=dict(parse_config({"routers": ROUTERS}).routers)
     )
 
     async def work(client):

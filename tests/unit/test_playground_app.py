@@ -14,7 +14,7 @@ from services.coordinator.playground.routes import PlaygroundSources
 from services.coordinator.playground.static_files import CONTENT_SECURITY_POLICY, StaticBundle
 from services.coordinator.route.registry import WorkerInfo, WorkerRegistry
 from services.coordinator.settings import APISettings
-from shared.config.policy import ModelRoute
+from shared.config.policy import SavedRouter
 from shared.config.schema import DeploymentConfig, parse_config
 from shared.wire.records import WorkerLoad
 from tests.unit.coordinator_client import run_with_client
@@ -71,12 +71,12 @@ def test_page_and_files_are_served_with_a_strict_csp(real_tokenizer):
 
 def test_saved_routers_are_listed_with_the_models(real_tokenizer):
     backend = ScriptedTestBackend(real_tokenizer, {MODEL: Script()})
-    routes = {"chat": ModelRoute(models=[MODEL])}
+    routes = {"chat": SavedRouter(models=[MODEL])}
 
     async def work(client: httpx.AsyncClient):
         return (await client.get("/v1/models")).json(), await client.get("/v1/models/router/chat")
 
-    listed, one = run_with_client(backend, _settings(model_routes=routes), work)
+    listed, one = run_with_client(backend, _settings(saved_routers=routes), work)
     assert [m["id"] for m in listed["data"]] == [MODEL, "router/chat"]
     assert one.status_code == 200 and one.json()["owned_by"] == "router"
 

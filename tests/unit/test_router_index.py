@@ -24,19 +24,19 @@ class TrueReplica:
         self.seq = 0
         self.outbox: list[KVEvent] = []
 
-    def change(self, kind: str, hashes: tuple[int, ...], tier: str) -> None:
+    def change(self, kind: str, hashes: tuple[int, ...], kv_tier: str) -> None:
         self.seq += 1
         for h in hashes:
             if kind == "stored":
-                self.held[h] = tier
-            elif self.held.get(h) == tier:
+                self.held[h] = kv_tier
+            elif self.held.get(h) == kv_tier:
                 del self.held[h]
-        self.outbox.append(KVEvent(kind, hashes, tier, self.seq))  # type: ignore[arg-type]
+        self.outbox.append(KVEvent(kind, hashes, kv_tier, self.seq))  # type: ignore[arg-type]
 
     def snapshot(self) -> list[KVEvent]:
         by_tier: dict[str, list[int]] = {}
-        for h, tier in sorted(self.held.items()):
-            by_tier.setdefault(tier, []).append(h)
+        for h, kv_tier in sorted(self.held.items()):
+            by_tier.setdefault(kv_tier, []).append(h)
         events = [KVEvent("stored", tuple(hs), t, self.seq) for t, hs in by_tier.items()]  # type: ignore[arg-type]
         return events or [KVEvent("stored", (), "device", self.seq)]
 
@@ -59,9 +59,9 @@ def run(steps) -> tuple[KVIndex, dict[str, TrueReplica]]:
     truth = {name: TrueReplica(name) for name in REPLICAS}
     for s in steps:
         if s[0] == "change":
-            name, kind, hashes, tier = s[1]
+            name, kind, hashes, kv_tier = s[1]
             if name in truth:
-                truth[name].change(kind, hashes, tier)
+                truth[name].change(kind, hashes, kv_tier)
         elif s[0] == "deliver":
             _, name, lost = s
             if name not in truth:
@@ -102,8 +102,8 @@ def test_interleaving_across_replicas_does_not_matter(changes):
     """Two coordinators get each replica's batches in order, interleaved differently."""
     truth = {name: TrueReplica(name) for name in REPLICAS}
     batches: dict[str, list[list[KVEvent]]] = {name: [] for name in REPLICAS}
-    for (name, kind, hashes, tier), cut in changes:
-        truth[name].change(kind, hashes, tier)
+    for (name, kind, hashes, kv_tier), cut in changes:
+        truth[name].change(kind, hashes, kv_tier)
         if cut:
             batches[name].append(truth[name].outbox)
             truth[name].outbox = []

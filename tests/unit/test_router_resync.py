@@ -31,7 +31,7 @@ def _batch(events: list[tuple[str, list[int], str, int]], snapshot: bool = False
     return pb.KVEventBatch(
         worker_id="d0",
         snapshot=snapshot,
-        events=[pb.KVEvent(kind=k, block_hashes=h, tier=t, seq=s) for k, h, t, s in events],
+        events=[pb.KVEvent(kind=k, block_hashes=h, kv_tier=t, seq=s) for k, h, t, s in events],
     )
 
 

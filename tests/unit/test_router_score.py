@@ -48,7 +48,7 @@ def test_the_prefix_wins_until_its_replicas_queue_outweighs_it(queued):
     cold = score_prefill(prefill("cold"), 500, PrefixHit(), 16, CFG)
     chosen = pick([hot, cold])
     # Work left on hot: 20 tokens + its queue; on cold: 500. Tie (480) goes to less queued.
-    assert chosen.replica_id == ("hot" if queued < 480 else "cold")
+    assert chosen.worker_id == ("hot" if queued < 480 else "cold")
     assert "cached 480/500 tokens (device 480)" in hot.describe()
     assert f"queued {queued}" in hot.describe()
 
@@ -70,8 +70,8 @@ def test_a_popular_prefix_spreads_out_as_its_queue_grows():
             for name in queued
         ]
         best = pick(scores)
-        chosen.append(best.replica_id)
-        queued[best.replica_id] += int(best.work)
+        chosen.append(best.worker_id)
+        queued[best.worker_id] += int(best.work)
     assert chosen[:5] == ["a"] * 5  # 44 tokens each: the prefix is worth 256 of queue
     assert {"b", "c"} <= set(chosen)
     assert max(queued.values()) - min(queued.values()) <= 300
@@ -82,8 +82,8 @@ def test_policies_least_loaded_and_prefix_only():
     cold = prefill("cold", 10)
     hits = {"hot": PrefixHit(device=30), "cold": PrefixHit()}
     for policy, expected in (("least_loaded", "cold"), ("prefix_only", "hot")):
-        scores = [score_prefill(r, 500, hits[r.replica_id], 16, CFG, policy) for r in (hot, cold)]
-        assert pick(scores).replica_id == expected
+        scores = [score_prefill(r, 500, hits[r.worker_id], 16, CFG, policy) for r in (hot, cold)]
+        assert pick(scores).worker_id == expected
 
 
 def test_in_flight_requests_count_until_a_heartbeat_reports_them():
@@ -94,8 +94,8 @@ def test_in_flight_requests_count_until_a_heartbeat_reports_them():
 
 def test_pick_breaks_ties_by_id_not_by_order():
     scores = [score_prefill(prefill(n), 100, PrefixHit(), 16, CFG) for n in ("p2", "p0", "p1")]
-    assert pick(scores).replica_id == "p0"
-    assert pick(list(reversed(scores))).replica_id == "p0"
+    assert pick(scores).worker_id == "p0"
+    assert pick(list(reversed(scores))).worker_id == "p0"
     assert pick([]) is None
 
 
@@ -103,7 +103,7 @@ def test_decode_score_counts_kv_and_sequences():
     light = ReplicaState("d0", "decode", MODEL, load=WorkerLoad(running=2, active_kv_tokens=1000))
     heavy = ReplicaState("d1", "decode", MODEL, load=WorkerLoad(running=8, active_kv_tokens=300))
     assert score_decode(light, CFG).cost == 1000 + 2 * 256
-    assert pick([score_decode(light, CFG), score_decode(heavy, CFG)]).replica_id == "d0"
+    assert pick([score_decode(light, CFG), score_decode(heavy, CFG)]).worker_id == "d0"
 
 
 def test_filter_drops_dead_wrong_model_role_and_full_replicas():
@@ -117,16 +117,16 @@ def test_filter_drops_dead_wrong_model_role_and_full_replicas():
         prefill("waiting", waiting=9),
     ]
     out = filter_replicas(replicas, MODEL, ("prefill",), cfg)
-    assert [r.replica_id for r in out.kept] == ["ok"]
+    assert [r.worker_id for r in out.kept] == ["ok"]
     assert any("queued skipped: 5000 queued prefill tokens > 1000" in n for n in out.notes)
     decodes = [
         ReplicaState("d0", "decode", MODEL, load=WorkerLoad(free_blocks=2, total_blocks=100)),
         ReplicaState("d1", "decode", MODEL, load=WorkerLoad(free_blocks=50, total_blocks=100)),
     ]
-    assert [r.replica_id for r in filter_replicas(decodes, MODEL, ("decode",), cfg, 10).kept] == [
+    assert [r.worker_id for r in filter_replicas(decodes, MODEL, ("decode",), cfg, 10).kept] == [
         "d1"
     ]
     # Every candidate full: the limits are waived, and the reasoning says so.
     waived = filter_replicas(decodes, MODEL, ("decode",), cfg, 80)
-    assert [r.replica_id for r in waived.kept] == ["d0", "d1"]
+    assert [r.worker_id for r in waived.kept] == ["d0", "d1"]
     assert "limits waived" in waived.notes[-1]

@@ -37,10 +37,10 @@ def test_corpus_is_plain_text_with_the_transcripts_user_turns():
 
 def test_prompts_are_deterministic_sized_and_start_apart():
     sentences = sb.corpus_sentences()
-    spec = sb.ServeBenchSpec(conversations=1)
-    first = sb.make_prompts(spec, _words, sentences)
-    assert first == sb.make_prompts(spec, _words, sentences)
-    assert first != sb.make_prompts(sb.ServeBenchSpec(conversations=1, seed=1), _words, sentences)
+    plan = sb.ServeBenchPlan(conversations=1)
+    first = sb.make_prompts(plan, _words, sentences)
+    assert first == sb.make_prompts(plan, _words, sentences)
+    assert first != sb.make_prompts(sb.ServeBenchPlan(conversations=1, seed=1), _words, sentences)
     assert len(first.short) == 20 and len(first.first_turn) == 10
     assert len(first.conversation) == 1 and len(first.conversation[0]) == 12
     assert len(first.concurrency8) == 32
@@ -306,17 +306,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def test_cli_options_and_request_scales():
     args = _parser().parse_args(["bench", "serve", "--requests", "small", "--plot", "d"])
-    assert sb.spec_for(args.requests) == sb.SMALL and args.plot == "d"
+    assert sb.plan_for(args.requests) == sb.SMALL and args.plot == "d"
     args = _parser().parse_args(
         ["bench", "serve", "--peer", "http://127.0.0.1:8088", "--peer-pid", "42"]
         + ["--peer-kv-tokens", "16384", "--threads", "2", "--weights", "int4"]
     )
     assert (args.peer, args.peer_pid, args.peer_kv_tokens) == ("http://127.0.0.1:8088", 42, 16384)
-    assert sb.spec_for(args.requests) == sb.ServeBenchSpec()
-    half = sb.spec_for(_parser().parse_args(["bench", "serve", "--requests", "0.5"]).requests)
+    assert sb.plan_for(args.requests) == sb.ServeBenchPlan()
+    half = sb.plan_for(_parser().parse_args(["bench", "serve", "--requests", "0.5"]).requests)
     assert (half.short_requests, half.conversations, half.concurrent_requests) == (10, 1, 16)
     assert half.turns == 12 and half.concurrent_tokens == 256  # sizes stay
-    assert sb.ServeBenchSpec().scaled(0.01).first_turn_requests == 1
+    assert sb.ServeBenchPlan().scaled(0.01).first_turn_requests == 1
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from services.launcher import supervisor as supervisor_module
-from services.launcher.processes import ProcessGroup, ServiceSpec
+from services.launcher.processes import ProcessGroup, ServiceLaunch
 from services.launcher.supervisor import MAX_FAILED_STARTS, Supervisor
 from tests.waiting import wait_until
 
@@ -71,8 +71,8 @@ def _fast_backoff(monkeypatch):
 
 def test_a_killed_service_is_restarted_the_others_untouched_and_its_log_kept(watched, child):
     group = watched.group
-    victim = group.start(ServiceSpec("w0", [PY, child]))
-    other = group.start(ServiceSpec("w1", [PY, child]))
+    victim = group.start(ServiceLaunch("w0", [PY, child]))
+    other = group.start(ServiceLaunch("w1", [PY, child]))
     assert wait_until(lambda: "started" in victim.log_path.read_text())
     supervisor = watched.supervise()
     victim.kill(signal.SIGKILL)
@@ -103,8 +103,8 @@ def test_a_killed_service_is_restarted_the_others_untouched_and_its_log_kept(wat
 )
 def test_given_up_on_with_the_reason_and_the_log(watched, child, exit_code, restarts, verdict):
     # Its first start passes as ready (it sleeps); every later start exits with `exit_code`.
-    failing = ServiceSpec("decode-0", [PY, child, str(exit_code)])
-    proc = watched.group.start(ServiceSpec("decode-0", [PY, child], renew=lambda: failing))
+    failing = ServiceLaunch("decode-0", [PY, child, str(exit_code)])
+    proc = watched.group.start(ServiceLaunch("decode-0", [PY, child], renew=lambda: failing))
     assert wait_until(lambda: proc.log_path.exists())
     supervisor = watched.supervise()
     proc.kill(signal.SIGKILL)

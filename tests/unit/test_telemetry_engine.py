@@ -150,8 +150,8 @@ def _spans(exporter, tracing) -> dict[str, list]:
 def test_prefill_spans_from_the_engine_timeline(setup):
     engine, _, _, spans, tracing, exporter = setup
     parent = tracing.tracer.start_span("coordinator client span")
-    spec = pb.GenerateSpec(request_id="r1", prompt_token_ids=PROMPT, priority=2)
-    with spans.prefill(pb.PrefillRequest(spec=spec), grpc_metadata(parent)) as call:
+    generation = pb.Generation(request_id="r1", prompt_token_ids=PROMPT, priority=2)
+    with spans.prefill(pb.PrefillRequest(generation=generation), grpc_metadata(parent)) as call:
         _run(engine, "r1", max_tokens=1, priority=2)
         transfer = pb.TransferOutcome(
             status="done", nbytes=4096, seconds=0.002, backend="shm", num_blocks=3
@@ -188,8 +188,8 @@ def test_prefill_spans_from_the_engine_timeline(setup):
 
 def test_failed_transfer_is_an_error_span(setup):
     _, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="r2", prompt_token_ids=PROMPT)
-    with spans.prefill(pb.PrefillRequest(spec=spec), ()) as call:
+    generation = pb.Generation(request_id="r2", prompt_token_ids=PROMPT)
+    with spans.prefill(pb.PrefillRequest(generation=generation), ()) as call:
         failed = pb.TransferOutcome(status="failed", error="no room", backend="tcp", seconds=0.1)
         call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
         call.record_transfer(failed)
@@ -200,8 +200,8 @@ def test_failed_transfer_is_an_error_span(setup):
 
 def test_decode_spans_local_prefill_and_outcomes(setup):
     engine, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="d1", prompt_token_ids=PROMPT)
-    with spans.decode(pb.DecodeRequest(spec=spec), ()) as call:
+    generation = pb.Generation(request_id="d1", prompt_token_ids=PROMPT)
+    with spans.decode(pb.DecodeRequest(generation=generation), ()) as call:
         _run(engine, "d1", max_tokens=3)
         call.observe(pb.DecodeChunk(token_ids=[5], local_prefill=True))
         call.observe(pb.DecodeChunk(token_ids=[6, 7], finished=True, num_output_tokens=3))
@@ -221,17 +221,20 @@ def test_a_call_ends_when_its_last_message_leaves_not_when_its_handler_resumes(s
     import time
 
     _, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="late", prompt_token_ids=PROMPT)
-    with spans.decode(pb.DecodeRequest(spec=spec), ()) as call:
+    generation = pb.Generation(request_id="late", prompt_token_ids=PROMPT)
+    with spans.decode(pb.DecodeRequest(generation=generation), ()) as call:
         call.observe(pb.DecodeChunk(token_ids=[6], finished=True, num_output_tokens=1))
         sent_ns = time.time_ns()
         time.sleep(0.03)  # the handler resumes late
-    with spans.prefill(pb.PrefillRequest(spec=spec), ()) as call:
+    with spans.prefill(pb.PrefillRequest(generation=generation), ()) as call:
         call.record_first_token(pb.PrefillFirstToken(num_prompt_tokens=40))
         call.record_transfer(pb.TransferOutcome(status="done", backend="shm", seconds=0.001))
         pushed_ns = time.time_ns()
         time.sleep(0.03)
-    with pytest.raises(RuntimeError), spans.decode(pb.DecodeRequest(spec=spec), ()) as call:
+    with (
+        pytest.raises(RuntimeError),
+        spans.decode(pb.DecodeRequest(generation=generation), ()) as call,
+    ):
         call.observe(pb.DecodeChunk(token_ids=[6], finished=True, num_output_tokens=1))
         time.sleep(0.03)
         failed_ns = time.time_ns()
@@ -247,9 +250,9 @@ def test_a_call_ends_when_its_last_message_leaves_not_when_its_handler_resumes(s
 
 def test_decode_admission_when_kv_arrived(setup):
     engine, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="d2", prompt_token_ids=PROMPT)
+    generation = pb.Generation(request_id="d2", prompt_token_ids=PROMPT)
     _run(engine, "warm", max_tokens=1)  # not watched
-    with spans.decode(pb.DecodeRequest(spec=spec, kv_transferred=True), ()) as call:
+    with spans.decode(pb.DecodeRequest(generation=generation, kv_transferred=True), ()) as call:
         table = engine.reserve_blocks(len(PROMPT))
         params = SamplingParams(max_tokens=3, ignore_eos=True)
         engine.add_prefilled("d2", PROMPT, 9, table, params)
@@ -266,8 +269,8 @@ def test_decode_admission_when_kv_arrived(setup):
 
 def test_decode_call_waiting_for_kv_in_flight_has_its_own_span(setup):
     engine, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="d3", prompt_token_ids=PROMPT)
-    with spans.decode(pb.DecodeRequest(spec=spec, kv_transferred=True), ()) as call:
+    generation = pb.Generation(request_id="d3", prompt_token_ids=PROMPT)
+    with spans.decode(pb.DecodeRequest(generation=generation, kv_transferred=True), ()) as call:
         table = engine.reserve_blocks(len(PROMPT))
         engine.add_prefilled("d3", PROMPT, 9, table, SamplingParams(max_tokens=2, ignore_eos=True))
         while engine.has_work:
@@ -287,10 +290,13 @@ def test_decode_call_waiting_for_kv_in_flight_has_its_own_span(setup):
 
 def test_errors_and_cancellation(setup):
     _, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="e1", prompt_token_ids=PROMPT)
-    with pytest.raises(ValueError), spans.prefill(pb.PrefillRequest(spec=spec), ()):
+    generation = pb.Generation(request_id="e1", prompt_token_ids=PROMPT)
+    with pytest.raises(ValueError), spans.prefill(pb.PrefillRequest(generation=generation), ()):
         raise ValueError("bad prompt")
-    with pytest.raises(asyncio.CancelledError), spans.decode(pb.DecodeRequest(spec=spec), ()):
+    with (
+        pytest.raises(asyncio.CancelledError),
+        spans.decode(pb.DecodeRequest(generation=generation), ()),
+    ):
         raise asyncio.CancelledError()
     got = _spans(exporter, tracing)
     (failed,) = got["splitserve.prefill"]
@@ -306,10 +312,10 @@ def test_a_caller_hanging_up_after_the_final_message_did_not_cancel_the_call(set
     import time
 
     _, _, _, spans, tracing, exporter = setup
-    spec = pb.GenerateSpec(request_id="hung-up", prompt_token_ids=PROMPT)
+    generation = pb.Generation(request_id="hung-up", prompt_token_ids=PROMPT)
     with (
         pytest.raises(asyncio.CancelledError),
-        spans.decode(pb.DecodeRequest(spec=spec), ()) as call,
+        spans.decode(pb.DecodeRequest(generation=generation), ()) as call,
     ):
         call.observe(pb.DecodeChunk(token_ids=[6], finished=True, num_output_tokens=1))
         sent_ns = time.time_ns()

@@ -9,20 +9,20 @@ import pytest
 from services.coordinator.errors import APIError
 from services.coordinator.route.admission import Admission, ModelQueue
 from services.coordinator.settings import APISettings
-from shared.config.policy import TierPolicy, TiersConfig
+from shared.config.policy import ServiceTierPolicy, ServiceTiersConfig
 from tests.unit.coordinator_client import chat_body, run_with_client
 from tests.unit.scripted_backend import Script, ScriptedTestBackend
 
 MODEL = "m"
 
 
-def _tiers(**overrides) -> TiersConfig:
-    return TiersConfig(max_in_flight=1, **overrides)
+def _tiers(**overrides) -> ServiceTiersConfig:
+    return ServiceTiersConfig(max_in_flight=1, **overrides)
 
 
 def test_waiters_are_served_by_tier_then_arrival():
     async def main() -> list[str]:
-        queue = ModelQueue(MODEL, 1, _tiers(priority=TierPolicy(max_queue=8)))
+        queue = ModelQueue(MODEL, 1, _tiers(priority=ServiceTierPolicy(max_queue=8)))
         holder = await queue.acquire("default")
         order: list[str] = []
 
@@ -62,7 +62,10 @@ def test_default_is_refused_at_once_with_retry_after():
 
 def test_full_queue_and_flex_max_wait_are_429():
     async def main() -> tuple[APIError, APIError, int]:
-        tiers = _tiers(flex=TierPolicy(max_queue=5, max_wait_s=0.05), batch=TierPolicy(max_queue=1))
+        tiers = _tiers(
+            flex=ServiceTierPolicy(max_queue=5, max_wait_s=0.05),
+            batch=ServiceTierPolicy(max_queue=1),
+        )
         queue = ModelQueue(MODEL, 1, tiers)
         await queue.acquire("default")
         waiting = asyncio.create_task(queue.acquire("batch"))
@@ -83,7 +86,7 @@ def test_full_queue_and_flex_max_wait_are_429():
 
 def test_priority_bursts_past_the_limit_and_cancelled_waiters_leak_nothing():
     async def main() -> tuple[int, int]:
-        queue = ModelQueue(MODEL, 1, _tiers(priority=TierPolicy(max_queue=4, burst=1)))
+        queue = ModelQueue(MODEL, 1, _tiers(priority=ServiceTierPolicy(max_queue=4, burst=1)))
         first = await queue.acquire("batch")
         urgent = queue.try_acquire("priority")  # the burst slot, no waiting
         assert urgent is not None and queue.in_flight == 2
@@ -100,14 +103,14 @@ def test_priority_bursts_past_the_limit_and_cancelled_waiters_leak_nothing():
 
 
 def test_no_limit_admits_everything():
-    admission = Admission(TiersConfig())
+    admission = Admission(ServiceTiersConfig())
     tickets = [admission.try_acquire(MODEL, "default") for _ in range(100)]
     assert all(t is not None for t in tickets)
 
 
 def test_overload_over_http_is_429_with_retry_after_and_queued_tiers_wait(real_tokenizer):
     backend = ScriptedTestBackend(real_tokenizer, {MODEL: Script(first_token_delay_s=0.3)})
-    settings = APISettings(model_id=MODEL, tiers=_tiers(batch=TierPolicy(max_queue=4)))
+    settings = APISettings(model_id=MODEL, tiers=_tiers(batch=ServiceTierPolicy(max_queue=4)))
 
     async def work(client):
         async def post(tier: str):
@@ -138,7 +141,7 @@ def test_time_in_the_tier_queue_is_a_span_of_the_request(real_tokenizer):
     exporter = InMemorySpanExporter()
     tracing = Tracing.with_exporter(exporter, "splitserve-coordinator")
     backend = ScriptedTestBackend(real_tokenizer, {MODEL: Script(first_token_delay_s=0.2)})
-    settings = APISettings(model_id=MODEL, tiers=_tiers(batch=TierPolicy(max_queue=4)))
+    settings = APISettings(model_id=MODEL, tiers=_tiers(batch=ServiceTierPolicy(max_queue=4)))
 
     async def work(client):
         body = chat_body(service_tier="batch")

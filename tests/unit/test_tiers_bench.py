@@ -6,7 +6,7 @@ import pytest
 
 from shared.config.schema import parse_config
 from tools.bench.load import RequestTiming
-from tools.bench.tiers_bench import TiersBenchSpec, stack_config, summarize_tiers, table_rows
+from tools.bench.tiers_bench import TiersBenchPlan, stack_config, summarize_tiers, table_rows
 
 
 def _ok(kind: str, ttft: float) -> RequestTiming:
@@ -20,7 +20,7 @@ def test_summary_keys_and_ratios():
         "batch": [_ok("batch", 5000)] * 3 + [RequestTiming("batch", error="HTTP 502: x")],
         "default": [RequestTiming("default", error="HTTP 429: busy")] * 2 + [_ok("default", 90)],
     }
-    result = summarize_tiers(runs, TiersBenchSpec())
+    result = summarize_tiers(runs, TiersBenchPlan())
     assert result["priority_slowdown"] == pytest.approx(
         result["priority"]["ttft_p99_ms"] / result["priority_alone"]["ttft_p99_ms"]
     )
@@ -35,6 +35,6 @@ def test_summary_keys_and_ratios():
 
 
 def test_bench_stack_config_is_valid_and_limits_the_model():
-    config = parse_config(stack_config(TiersBenchSpec(max_in_flight=3)))
+    config = parse_config(stack_config(TiersBenchPlan(max_in_flight=3)))
     assert config.tiers.limit(config.models[0].id) == 3
     assert config.tiers.default.max_queue == 0 and config.tiers.priority.burst == 4

@@ -17,9 +17,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 
 def _manager(window: int | None, device: int = 8, host: int = 8):
     pool = KVPool(LAYOUT, device)
-    tier = HostKVTier(host, LAYOUT.block_shape, LAYOUT.dtype)
+    kv_tier = HostKVTier(host, LAYOUT.block_shape, LAYOUT.dtype)
     events: list[KVEvent] = []
-    manager = BlockManager(device, 4, b"salt", tier, pool, events.append, window_tokens=window)
+    manager = BlockManager(device, 4, b"salt", kv_tier, pool, events.append, window_tokens=window)
     return manager, pool, events
 
 

@@ -55,7 +55,7 @@ TOPICS = ("a lighthouse", "the sea", "a fox", "a city", "a clock", "a river", "a
 
 
 @dataclass(frozen=True)
-class ChaosBenchSpec:
+class ChaosBenchPlan:
     streams: int = 16
     max_tokens: int = 48
     prefill: int = 2
@@ -239,27 +239,27 @@ def summarize_streams(results: list[StreamResult], reference: dict[str, str] | N
     return out
 
 
-def _scenario(stack: LocalStack, spec: ChaosBenchSpec, scenario: str, workers: int) -> dict:
+def _scenario(stack: LocalStack, plan: ChaosBenchPlan, scenario: str, workers: int) -> dict:
     # Mostly new text: with most of a prompt cached on a decode replica (the chat template's
     # system prompt alone is a third of a short one) it would prefill there, not on a prefill
     # replica, and kill_prefill would hit nothing.
     seed = 1000 * SCENARIOS.index(scenario)
     prompts = [
-        f"{filler_text(spec.prompt_words, seed + i)}. Now tell a long story about "
+        f"{filler_text(plan.prompt_words, seed + i)}. Now tell a long story about "
         f"{TOPICS[i % len(TOPICS)]}."
-        for i in range(spec.streams)
+        for i in range(plan.streams)
     ]
-    far_in = lambda r: r.tokens >= spec.hit_after_tokens  # noqa: E731
+    far_in = lambda r: r.tokens >= plan.hit_after_tokens  # noqa: E731
     first_token = lambda r: r.tokens >= 1  # noqa: E731
     hit: _Hit | None = None
     extra: dict = {}
     if scenario == "kill_coordinator":
         coordinator_hit = CoordinatorHit(stack, far_in)
-        results = asyncio.run(_run_streams(stack, prompts, spec.max_tokens, coordinator_hit))
+        results = asyncio.run(_run_streams(stack, prompts, plan.max_tokens, coordinator_hit))
         coordinator_hit.finish()
         if not coordinator_hit.at:
             raise RuntimeError(f"{scenario}: the streams ended before the coordinator was hit")
-        recovery, extra["converged_s"] = coordinator_hit.converged(workers, spec.recovery_timeout_s)
+        recovery, extra["converged_s"] = coordinator_hit.converged(workers, plan.recovery_timeout_s)
         extra["new_request_s"] = coordinator_hit.new_request_s
         killed = [r for r in results if r.coordinator == coordinator_hit.index]
         extra["on_killed_coordinator"] = len(killed)
@@ -271,10 +271,10 @@ def _scenario(stack: LocalStack, spec: ChaosBenchSpec, scenario: str, workers: i
         restarts = stack.supervisor.restarts(name)
         at = time.monotonic()
         stack.processes[name].kill(signal.SIGKILL)
-        recovery = _recovery_s(stack, name, at, restarts, spec.recovery_timeout_s)
-        _wait_healed(stack, workers, spec.recovery_timeout_s)
+        recovery = _recovery_s(stack, name, at, restarts, plan.recovery_timeout_s)
+        _wait_healed(stack, workers, plan.recovery_timeout_s)
         revived = _service_worker_id(stack, name)
-        results = asyncio.run(_run_streams(stack, prompts, spec.max_tokens))
+        results = asyncio.run(_run_streams(stack, prompts, plan.max_tokens))
         extra["through_restarted"] = sum(r.decode == revived for r in results)
     else:
         role, sig, when = {
@@ -283,18 +283,18 @@ def _scenario(stack: LocalStack, spec: ChaosBenchSpec, scenario: str, workers: i
             "drain_decode": ("decode", signal.SIGTERM, far_in),
         }[scenario]
         hit = _Hit(stack, role, sig, when)
-        results = asyncio.run(_run_streams(stack, prompts, spec.max_tokens, hit))
+        results = asyncio.run(_run_streams(stack, prompts, plan.max_tokens, hit))
         if hit.name is None:
             raise RuntimeError(f"{scenario}: the streams ended before a {role} could be hit")
-        recovery = _recovery_s(stack, hit.name, hit.at, hit.restarts, spec.recovery_timeout_s)
+        recovery = _recovery_s(stack, hit.name, hit.at, hit.restarts, plan.recovery_timeout_s)
         if scenario == "drain_decode":
             drained = [r for r in results if r.decode and _is_process_of(r.decode, hit.name)]
             handed_over = sum("drain" in r.moves for r in drained)
             extra["finished_on_drained_replica"] = len(drained) - handed_over
             extra["handed_over"] = handed_over
-    _wait_healed(stack, workers, spec.recovery_timeout_s)
+    _wait_healed(stack, workers, plan.recovery_timeout_s)
     leaked = leaked_blocks(stack)
-    calm = asyncio.run(_run_streams(stack, prompts, spec.max_tokens))
+    calm = asyncio.run(_run_streams(stack, prompts, plan.max_tokens))
     reference = {r.prompt: r.text for r in calm}
     return {
         **summarize_streams(results, reference),
@@ -331,28 +331,28 @@ def met_targets(scenario: str, s: dict) -> bool:
     )
 
 
-def run(spec: ChaosBenchSpec) -> dict:
-    workers = spec.prefill + spec.decode
+def run(plan: ChaosBenchPlan) -> dict:
+    workers = plan.prefill + plan.decode
     result: dict = {
-        "streams": spec.streams,
-        "max_tokens": spec.max_tokens,
+        "streams": plan.streams,
+        "max_tokens": plan.max_tokens,
         "topology": {
-            "coordinators": spec.coordinators,
-            "prefill": spec.prefill,
-            "decode": spec.decode,
+            "coordinators": plan.coordinators,
+            "prefill": plan.prefill,
+            "decode": plan.decode,
         },
-        "weights": spec.weights,
-        "drain_grace_s": spec.drain_grace_s,
+        "weights": plan.weights,
+        "drain_grace_s": plan.drain_grace_s,
         "scenarios": {},
     }
-    pools = {"prefill": spec.prefill, "decode": spec.decode}
-    raw = loopback_config(pools, spec.weights)
-    raw["coordinator"]["replicas"] = spec.coordinators
-    raw["worker_drain_grace_s"] = spec.drain_grace_s
+    pools = {"prefill": plan.prefill, "decode": plan.decode}
+    raw = loopback_config(pools, plan.weights)
+    raw["coordinator"]["replicas"] = plan.coordinators
+    raw["worker_drain_grace_s"] = plan.drain_grace_s
     with start_local_stack(parse_config(raw), startup_timeout_s=300) as stack:
-        _wait_healed(stack, workers, spec.recovery_timeout_s)  # every coordinator knows all
-        for scenario in spec.scenarios:
-            result["scenarios"][scenario] = _scenario(stack, spec, scenario, workers)
+        _wait_healed(stack, workers, plan.recovery_timeout_s)  # every coordinator knows all
+        for scenario in plan.scenarios:
+            result["scenarios"][scenario] = _scenario(stack, plan, scenario, workers)
     result["targets_met"] = all(met_targets(n, s) for n, s in result["scenarios"].items())
     return result
 

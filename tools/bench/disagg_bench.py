@@ -144,7 +144,7 @@ async def _overhead(stack, tokenizer: Tokenizer, repeats: int = 12) -> dict:
             t = time.perf_counter()
             call = stub.Prefill(
                 pb.PrefillRequest(
-                    spec=pb.GenerateSpec(
+                    generation=pb.Generation(
                         request_id=f"direct-{r}",
                         model=DEFAULT_MODEL_ID,
                         prompt_token_ids=ids,

@@ -67,7 +67,7 @@ _TABLE_RATIOS = dict((key, name) for name, key in RATIOS)
 
 
 @dataclass(frozen=True)
-class ServeBenchSpec:
+class ServeBenchPlan:
     short_requests: int = 20
     first_turn_requests: int = 10
     conversations: int = 2
@@ -83,7 +83,7 @@ class ServeBenchSpec:
     warmup_requests: int = 2
     seed: int = 0
 
-    def scaled(self, factor: float) -> ServeBenchSpec:
+    def scaled(self, factor: float) -> ServeBenchPlan:
         """The request counts times `factor` (at least one each); prompt and reply sizes stay,
         they are what defines each workload."""
 
@@ -100,18 +100,18 @@ class ServeBenchSpec:
 
 
 # A smoke run: every workload exercised, a minute or two per server on 2 cores.
-SMALL = ServeBenchSpec(
+SMALL = ServeBenchPlan(
     short_requests=3, first_turn_requests=2, conversations=1, turns=3, concurrent_requests=8
 )
 
 
-def spec_for(requests: str | float) -> ServeBenchSpec:
+def plan_for(requests: str | float) -> ServeBenchPlan:
     """`--requests`: "full" (the defaults), "small" (a smoke run) or a factor on full's counts."""
     if requests == "full":
-        return ServeBenchSpec()
+        return ServeBenchPlan()
     if requests == "small":
         return SMALL
-    return ServeBenchSpec().scaled(float(requests))
+    return ServeBenchPlan().scaled(float(requests))
 
 
 # -- prompts -----------------------------------------------------------------------------
@@ -183,19 +183,19 @@ class Prompts:
 
 
 def make_prompts(
-    spec: ServeBenchSpec, count_tokens: Callable[[str], int], sentences: Sequence[str]
+    plan: ServeBenchPlan, count_tokens: Callable[[str], int], sentences: Sequence[str]
 ) -> Prompts:
-    maker = PromptMaker(sentences, count_tokens, spec.seed)
+    maker = PromptMaker(sentences, count_tokens, plan.seed)
     return Prompts(
-        warmup=[maker.message(spec.short_tokens) for _ in range(spec.warmup_requests)],
-        short=[maker.message(spec.short_tokens) for _ in range(spec.short_requests)],
-        first_turn=[maker.message(spec.first_turn_tokens) for _ in range(spec.first_turn_requests)],
+        warmup=[maker.message(plan.short_tokens) for _ in range(plan.warmup_requests)],
+        short=[maker.message(plan.short_tokens) for _ in range(plan.short_requests)],
+        first_turn=[maker.message(plan.first_turn_tokens) for _ in range(plan.first_turn_requests)],
         conversation=[
-            [maker.message(spec.turn_tokens) for _ in range(spec.turns)]
-            for _ in range(spec.conversations)
+            [maker.message(plan.turn_tokens) for _ in range(plan.turns)]
+            for _ in range(plan.conversations)
         ],
         concurrency8=[
-            maker.message(spec.concurrent_tokens) for _ in range(spec.concurrent_requests)
+            maker.message(plan.concurrent_tokens) for _ in range(plan.concurrent_requests)
         ],
     )
 
@@ -289,7 +289,7 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
 async def drive(
     base_url: str,
     prompts: Prompts,
-    spec: ServeBenchSpec,
+    plan: ServeBenchPlan,
     client: httpx.AsyncClient | None = None,
 ) -> dict[str, Any]:
     """Every workload on one server, in order. Returns its model and a WorkloadRun each."""
@@ -298,9 +298,9 @@ async def drive(
         # response's connection without saying so, and reusing it then failed about one
         # request in six ("Server disconnected without sending a response"). A loopback
         # connect costs well under a millisecond of TTFT.
-        limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=0)
+        limits = httpx.Limits(max_connections=plan.concurrency + 4, max_keepalive_connections=0)
         async with httpx.AsyncClient(limits=limits) as own:
-            return await drive(base_url, prompts, spec, own)
+            return await drive(base_url, prompts, plan, own)
     url = f"{base_url}/chat/completions"
     model = await served_model(client, base_url)
 
@@ -314,7 +314,7 @@ async def drive(
 
     async def sequential(users: list[str], kind: str) -> WorkloadRun:
         timings = [
-            (await send([{"role": "user", "content": u}], kind, spec.reply_tokens))[0]
+            (await send([{"role": "user", "content": u}], kind, plan.reply_tokens))[0]
             for u in users
         ]
         return WorkloadRun(timings, sum(t.e2e_ms for t in timings) / 1e3)
@@ -327,7 +327,7 @@ async def drive(
     }
 
     async def turn(messages: list[dict[str, str]]) -> tuple[RequestTiming, str]:
-        return await send(messages, "conversation", spec.reply_tokens)
+        return await send(messages, "conversation", plan.reply_tokens)
 
     runs["conversation"] = conversation_workload(
         [await run_conversation(turn, users) for users in prompts.conversation]
@@ -340,12 +340,12 @@ async def drive(
         while queue:
             message = [{"role": "user", "content": queue.pop()}]
             timing, _ = await send(
-                message, "concurrency8", spec.concurrent_reply_tokens, ignore_eos=True
+                message, "concurrency8", plan.concurrent_reply_tokens, ignore_eos=True
             )
             done.append(timing)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+    await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
     runs["concurrency8"] = WorkloadRun(done, time.perf_counter() - start)
     return {"model": model, "runs": runs}
 
@@ -389,7 +389,7 @@ def workload_ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, flo
 
 
 def assemble(
-    spec: ServeBenchSpec,
+    plan: ServeBenchPlan,
     ours: dict[str, Any],
     peer: dict[str, Any] | None,
     prompt_tokens: dict[str, float],
@@ -400,7 +400,7 @@ def assemble(
     capacity, url), which is kept as-is under the server's key.
     """
     result: dict[str, Any] = {
-        "spec": asdict(spec),
+        "spec": asdict(plan),
         "workloads": list(WORKLOADS),
         "prompt_tokens": prompt_tokens,
         "samples": {},
@@ -644,7 +644,7 @@ def check_reachable(base_url: str) -> None:
 
 @dataclass
 class ServeBenchOptions:
-    spec: ServeBenchSpec = field(default_factory=ServeBenchSpec)
+    plan: ServeBenchPlan = field(default_factory=ServeBenchPlan)
     config_path: str | None = None
     weights: str | None = None
     threads: int | None = None
@@ -696,8 +696,8 @@ def run(options: ServeBenchOptions) -> dict[str, Any]:
     def count(text: str) -> int:
         return len(tokenizer.encode(text))
 
-    spec = options.spec
-    prompts = make_prompts(spec, count, corpus_sentences())
+    plan = options.plan
+    prompts = make_prompts(plan, count, corpus_sentences())
     prompt_tokens = {
         "short": _mean([count(p) for p in prompts.short]),
         "first_turn": _mean([count(p) for p in prompts.first_turn]),
@@ -705,7 +705,7 @@ def run(options: ServeBenchOptions) -> dict[str, Any]:
         "concurrency8": _mean([count(p) for p in prompts.concurrency8]),
     }
     with start_local_stack(config, options.startup_timeout_s) as stack:
-        ours = asyncio.run(drive(stack.base_url, prompts, spec))
+        ours = asyncio.run(drive(stack.base_url, prompts, plan))
         # Measured after the run: caches and pools have grown to what serving needed.
         ours.update(process_memory({n: p.pid for n, p in stack.processes.items()}))
         ours.update(our_kv_capacity(stack, model_path))
@@ -717,11 +717,11 @@ def run(options: ServeBenchOptions) -> dict[str, Any]:
         )
     peer = None
     if peer_base:
-        peer = asyncio.run(drive(peer_base, prompts, spec))
+        peer = asyncio.run(drive(peer_base, prompts, plan))
         peer.update(peer_memory(options.peer_pid))
         peer.update(peer_kv_capacity(peer_base.removesuffix("/v1"), options.peer_kv_tokens))
         peer["url"] = peer_base
-    return assemble(spec, ours, peer, prompt_tokens)
+    return assemble(plan, ours, peer, prompt_tokens)
 
 
 def _mean(values: list[int]) -> float:

@@ -30,8 +30,8 @@ def _one_request(tracing: Tracing, workers: WorkerTracing, i: int) -> None:
         with tracing.tracer.start_as_current_span(A.SPAN_ROUTE) as route:
             describe_route(route, "p0", "d0", ["least loaded"])
         call = RpcSpan(tracing.tracer, A.SPAN_PREFILL, "Prefill", "p0", "127.0.0.1:1")
-        spec = pb.GenerateSpec(request_id=f"req-{i}", prompt_token_ids=[1] * 64)
-        with workers.prefill(pb.PrefillRequest(spec=spec), call.metadata) as prefill:
+        generation = pb.Generation(request_id=f"req-{i}", prompt_token_ids=[1] * 64)
+        with workers.prefill(pb.PrefillRequest(generation=generation), call.metadata) as prefill:
             timeline = prefill.timeline
             if timeline is not None:
                 timeline.first_step_ns = now
@@ -45,8 +45,10 @@ def _one_request(tracing: Tracing, workers: WorkerTracing, i: int) -> None:
         call.record_transfer(transfer)
         call.end()
         call = RpcSpan(tracing.tracer, A.SPAN_DECODE, "Decode", "d0", "127.0.0.1:2")
-        spec = pb.GenerateSpec(request_id=f"req-{i}-d", prompt_token_ids=[1] * 64)
-        with workers.decode(pb.DecodeRequest(spec=spec, kv_transferred=True), call.metadata) as d:
+        generation = pb.Generation(request_id=f"req-{i}-d", prompt_token_ids=[1] * 64)
+        with workers.decode(
+            pb.DecodeRequest(generation=generation, kv_transferred=True), call.metadata
+        ) as d:
             if d.timeline is not None:
                 d.timeline.first_step_ns = d.timeline.first_decode_ns = now
                 d.timeline.last_decode_ns, d.timeline.decode_steps = now + 10**6, 63

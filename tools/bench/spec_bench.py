@@ -26,7 +26,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.model_setup import load_serving_model
 from engine.kvcache.kv_dtype import resolve_kv_dtype
-from engine.model.fp32_route import settle as settle_fp32_routes
+from engine.model.fp32_gemm import settle as settle_fp32_gemm
 from engine.model.loader import read_checkpoint
 from engine.speculative.head_file import read_head
 from shared.modelfile.default import default_model_path
@@ -254,9 +254,9 @@ def run(
                 warm = SamplingParams(temperature=0.0, max_tokens=8)
                 decode_run(engines[method], prompts[:1], warm, 1)
             # Every row count a timed step can have is routed before the clock starts (fp32
-            # weights, the head's too: see fp32_route), as a pool's first steps on this
+            # weights, the head's too: see fp32_gemm), as a pool's first steps on this
             # machine would have done.
-            settle_fp32_routes(batch * (k + 1))
+            settle_fp32_gemm(batch * (k + 1))
             timed = interleaved_runs(engines, prompts, params, batch)
             plain, plain_tokens, plain_seconds = timed["none"]
             plain_rate = plain_tokens / plain_seconds if plain_seconds else 0.0

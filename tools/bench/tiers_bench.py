@@ -35,7 +35,7 @@ PRIORITY_TTFT_GOAL_MS = 1000.0  # the 135M model on a few CPU cores, not a GPU
 
 
 @dataclass(frozen=True)
-class TiersBenchSpec:
+class TiersBenchPlan:
     weights: str = "bf16"  # passed the quality gate for the bundled model
     duration_s: float = 40.0  # of saturated load
     batch_clients: int = 8  # closed-loop batch clients (more than max_in_flight)
@@ -48,20 +48,20 @@ class TiersBenchSpec:
     warmup_s: float = 3.0  # saturate before the first priority request is timed
 
 
-def stack_config(spec: TiersBenchSpec) -> dict:
+def stack_config(plan: TiersBenchPlan) -> dict:
     return {
         "coordinator": {"port": 0, "registry_port": 0, "max_tokens_limit": 1024},
         "transfer": {"backend": "shm"},
         "models": [
             {
                 "id": DEFAULT_MODEL_ID,
-                "weights": spec.weights,
+                "weights": plan.weights,
                 "pools": {"prefill": 0, "decode": 0, "both": 1},
                 "worker": {"kv_cache_bytes": 256 << 20, "host_cache_bytes": 128 << 20},
             }
         ],
         "tiers": {
-            "max_in_flight": spec.max_in_flight,
+            "max_in_flight": plan.max_in_flight,
             "priority": {"max_queue": 64, "burst": 4, "ttft_goal_ms": PRIORITY_TTFT_GOAL_MS},
             "default": {"max_queue": 0},
             "batch": {"max_queue": 1024},
@@ -90,14 +90,14 @@ async def _paced(
     every_s: float,
     until: float,
     seed0: int,
-    spec: TiersBenchSpec,
+    plan: TiersBenchPlan,
     max_tokens: int,
 ) -> list[RequestTiming]:
     """Open loop: one request every `every_s` until `until`, each on its own task."""
     tasks = []
     seed = seed0
     while time.monotonic() < until:
-        body = _body(tier, seed, spec.prompt_words, max_tokens)
+        body = _body(tier, seed, plan.prompt_words, max_tokens)
         tasks.append(asyncio.create_task(stream_chat(client, url, body, tier)))
         seed += 1
         await asyncio.sleep(every_s)
@@ -105,54 +105,54 @@ async def _paced(
 
 
 async def _closed_loop(
-    client: httpx.AsyncClient, url: str, until: float, seed0: int, spec: TiersBenchSpec
+    client: httpx.AsyncClient, url: str, until: float, seed0: int, plan: TiersBenchPlan
 ) -> list[RequestTiming]:
     """One batch client: the next request as soon as the previous one ends."""
     timings = []
     seed = seed0
     while time.monotonic() < until:
-        body = _body("batch", seed, spec.prompt_words, spec.batch_tokens)
+        body = _body("batch", seed, plan.prompt_words, plan.batch_tokens)
         timings.append(await stream_chat(client, url, body, "batch", timeout_s=600))
         seed += 1
     return timings
 
 
-async def _measure(base_url: str, spec: TiersBenchSpec) -> dict[str, list[RequestTiming]]:
+async def _measure(base_url: str, plan: TiersBenchPlan) -> dict[str, list[RequestTiming]]:
     url = f"{base_url}/chat/completions"
-    limits = httpx.Limits(max_connections=spec.batch_clients + 64)
+    limits = httpx.Limits(max_connections=plan.batch_clients + 64)
     async with httpx.AsyncClient(limits=limits) as client:
         for seed in range(2):  # warm the worker (first-call costs are not what we measure)
             await stream_chat(client, url, _body("priority", 90_000 + seed, 8, 4), "warmup")
-        n_alone = max(5, int(spec.duration_s / spec.priority_every_s / 2))
-        alone_until = time.monotonic() + n_alone * spec.priority_every_s
+        n_alone = max(5, int(plan.duration_s / plan.priority_every_s / 2))
+        alone_until = time.monotonic() + n_alone * plan.priority_every_s
         alone = await _paced(
             client,
             url,
             "priority",
-            spec.priority_every_s,
+            plan.priority_every_s,
             alone_until,
             10_000,
-            spec,
-            spec.priority_tokens,
+            plan,
+            plan.priority_tokens,
         )
-        end = time.monotonic() + spec.warmup_s + spec.duration_s
+        end = time.monotonic() + plan.warmup_s + plan.duration_s
         batch = [
-            asyncio.create_task(_closed_loop(client, url, end, 100_000 * (i + 1), spec))
-            for i in range(spec.batch_clients)
+            asyncio.create_task(_closed_loop(client, url, end, 100_000 * (i + 1), plan))
+            for i in range(plan.batch_clients)
         ]
-        await asyncio.sleep(spec.warmup_s)
+        await asyncio.sleep(plan.warmup_s)
         priority, default = await asyncio.gather(
             _paced(
                 client,
                 url,
                 "priority",
-                spec.priority_every_s,
+                plan.priority_every_s,
                 end,
                 20_000,
-                spec,
-                spec.priority_tokens,
+                plan,
+                plan.priority_tokens,
             ),
-            _paced(client, url, "default", spec.default_every_s, end, 30_000, spec, 16),
+            _paced(client, url, "default", plan.default_every_s, end, 30_000, plan, 16),
         )
         batch_timings = [t for task in batch for t in await task]
     return {
@@ -167,7 +167,7 @@ def _is_429(timing: RequestTiming) -> bool:
     return bool(timing.error and timing.error.startswith("HTTP 429"))
 
 
-def summarize_tiers(runs: dict[str, list[RequestTiming]], spec: TiersBenchSpec) -> dict:
+def summarize_tiers(runs: dict[str, list[RequestTiming]], plan: TiersBenchPlan) -> dict:
     priority = summarize(runs["priority"])
     alone = summarize(runs["priority_alone"])
     slowdown = None
@@ -201,15 +201,15 @@ def summarize_tiers(runs: dict[str, list[RequestTiming]], spec: TiersBenchSpec) 
         # The configured goals, beside what was measured (they are targets, not enforced).
         "goals": {"priority_ttft_ms": PRIORITY_TTFT_GOAL_MS},
         "samples": {tier: timing_samples(timings) for tier, timings in runs.items()},
-        "spec": spec.__dict__,
+        "spec": plan.__dict__,
     }
 
 
-def run(spec: TiersBenchSpec) -> dict:
-    config = parse_config(stack_config(spec))
+def run(plan: TiersBenchPlan) -> dict:
+    config = parse_config(stack_config(plan))
     with start_local_stack(config, startup_timeout_s=300) as stack:
-        runs = asyncio.run(_measure(stack.base_url, spec))
-    return summarize_tiers(runs, spec)
+        runs = asyncio.run(_measure(stack.base_url, plan))
+    return summarize_tiers(runs, plan)
 
 
 def table_rows(result: dict) -> list[tuple[str, object, object, object]]:

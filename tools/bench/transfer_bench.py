@@ -23,7 +23,7 @@ import torch
 
 from engine.kvcache.pool import KVLayout
 from services.kvtransfer.nixl import nixl_import_error
-from tools.bench.transfer_peer import PeerProcess, PeerSpec
+from tools.bench.transfer_peer import PeerPlan, PeerProcess
 
 # 1 MiB blocks: 32 layers x (K, V) x 16 tokens x 4 KV heads x 128 dims x bf16, an 8B-class
 # model's block with half its KV heads.
@@ -50,8 +50,8 @@ def _bench_transfer_backend(kind: str, sizes_mib: Sequence[int], repeats: int) -
     num_blocks = max(sizes_mib) * _MIB // BENCH_LAYOUT.block_bytes
     rng = random.Random(0)
     with (
-        PeerProcess(PeerSpec(kind, f"bench-prefill-{kind}", BENCH_LAYOUT, num_blocks)) as pre,
-        PeerProcess(PeerSpec(kind, f"bench-decode-{kind}", BENCH_LAYOUT, num_blocks)) as dec,
+        PeerProcess(PeerPlan(kind, f"bench-prefill-{kind}", BENCH_LAYOUT, num_blocks)) as pre,
+        PeerProcess(PeerPlan(kind, f"bench-decode-{kind}", BENCH_LAYOUT, num_blocks)) as dec,
     ):
         pre_md, dec_md = pre.register(), dec.register()
         pre.add_peer(dec_md)

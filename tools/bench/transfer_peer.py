@@ -61,7 +61,7 @@ class PeerError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PeerSpec:
+class PeerPlan:
     backend: str
     agent_name: str
     layout: KVLayout
@@ -95,16 +95,16 @@ def _descriptors_from_json(d: dict[str, Any]) -> ReceiveDescriptors:
 class _Agent:
     """The child's side: one backend, one pool, one session per request."""
 
-    def __init__(self, spec: dict[str, Any]):
-        layout = KVLayout(**{**spec["layout"], "dtype": dtype_from_name(spec["layout"]["dtype"])})
+    def __init__(self, plan: dict[str, Any]):
+        layout = KVLayout(**{**plan["layout"], "dtype": dtype_from_name(plan["layout"]["dtype"])})
         self.backend = create_transfer_backend(
-            spec["backend"],
-            spec["agent_name"],
+            plan["backend"],
+            plan["agent_name"],
             registry=CollectorRegistry(),
-            fence_grace_s=spec["fence_grace_s"],
-            **spec["options"],
+            fence_grace_s=plan["fence_grace_s"],
+            **plan["options"],
         )
-        self.pool = create_pool(spec["backend"], layout, spec["num_blocks"])
+        self.pool = create_pool(plan["backend"], layout, plan["num_blocks"])
         self.sessions: dict[str, TransferSession] = {}
         self.releases: dict[str, list[str]] = {}
 
@@ -209,15 +209,15 @@ def _peer_main(conn, spec_json: str) -> None:
 class PeerProcess:
     """Parent-side proxy; every call has a timeout so a stuck child fails the caller."""
 
-    def __init__(self, spec: PeerSpec, *, start_timeout_s: float = 60.0):
-        self.spec = spec
+    def __init__(self, plan: PeerPlan, *, start_timeout_s: float = 60.0):
+        self.plan = plan
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_peer_main,
-            args=(child, spec.to_json()),
+            args=(child, plan.to_json()),
             daemon=True,
-            name=f"kvx-peer-{spec.agent_name}",
+            name=f"kvx-peer-{plan.agent_name}",
         )
         self.process.start()
         child.close()
@@ -240,10 +240,10 @@ class PeerProcess:
 
     def _reply(self, op: str, timeout_s: float) -> dict:
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"peer {self.spec.agent_name} did not answer {op!r} in {timeout_s}s")
+            raise TimeoutError(f"peer {self.plan.agent_name} did not answer {op!r} in {timeout_s}s")
         reply = json.loads(self._conn.recv_bytes())
         if not reply.pop("ok"):
-            raise PeerError(f"{self.spec.agent_name}.{op}: {reply['error']}")
+            raise PeerError(f"{self.plan.agent_name}.{op}: {reply['error']}")
         return reply
 
     def register(self) -> AgentMetadata:

@@ -36,7 +36,7 @@ import httpx
 
 from services.launcher.processes import ProcessGroup
 from services.launcher.readiness import wait_until_ready
-from services.launcher.stack import LocalStack, resolve_config, service_specs
+from services.launcher.stack import LocalStack, resolve_config, service_launches
 from shared.config.schema import dump_config, parse_config
 from shared.modelfile.default import DEFAULT_MODEL_ID, default_model_path
 from shared.telemetry import attributes as A
@@ -264,7 +264,7 @@ def run(
         config_path.write_text(dump_config(resolved))
         stack = LocalStack(resolved, run_dir, config_path, ProcessGroup(run_dir))
         try:
-            coordinator, *workers = service_specs(resolved, config_path)
+            coordinator, *workers = service_launches(resolved, config_path)
             started = time.perf_counter()
             process = stack.group.start(coordinator)
             wait_until_ready(f"{stack.url}/health", stack.group, startup_timeout_s, interval_s=0.01)

@@ -209,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.peer is None and (args.peer_pid is not None or args.peer_kv_tokens is not None):
         return fail("--peer-pid and --peer-kv-tokens describe a peer: give --peer URL too")
     options = serve_bench.ServeBenchOptions(
-        spec=serve_bench.spec_for(args.requests),
+        plan=serve_bench.plan_for(args.requests),
         config_path=args.config,
         weights=args.weights,
         threads=args.threads,

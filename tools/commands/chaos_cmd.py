@@ -59,7 +59,7 @@ def run_bench_chaos(args: argparse.Namespace) -> int:
         return fail("--scenarios kill_coordinator: needs --coordinators 2 or more")
     if args.decode < 2:
         return fail("--decode: at least 2, so that streams have a replica to migrate to")
-    spec = chaos_bench.ChaosBenchSpec(
+    plan = chaos_bench.ChaosBenchPlan(
         streams=args.streams,
         max_tokens=args.max_tokens,
         prefill=args.prefill,
@@ -69,11 +69,11 @@ def run_bench_chaos(args: argparse.Namespace) -> int:
         drain_grace_s=args.drain_grace_s,
         scenarios=scenarios,
     )
-    result = chaos_bench.run(spec)
+    result = chaos_bench.run(plan)
     result["machine"] = machine_info()
     print_table(
-        f"splitserve bench chaos ({spec.streams} greedy streams; {spec.coordinators} "
-        f"coordinator(s), {spec.prefill} prefill + {spec.decode} decode; reference = 0 or "
+        f"splitserve bench chaos ({plan.streams} greedy streams; {plan.coordinators} "
+        f"coordinator(s), {plan.prefill} prefill + {plan.decode} decode; reference = 0 or "
         "the calm run)",
         chaos_bench.table_rows(result),
     )

@@ -26,7 +26,7 @@ def run_bench_tiers(args: argparse.Namespace) -> int:
     from tools.bench import tiers_bench
     from tools.bench.report import machine_info, print_table, save_outputs
 
-    spec = tiers_bench.TiersBenchSpec(
+    plan = tiers_bench.TiersBenchPlan(
         weights=args.weights,
         duration_s=args.duration,
         batch_clients=args.batch_clients,
@@ -34,11 +34,11 @@ def run_bench_tiers(args: argparse.Namespace) -> int:
         priority_every_s=args.priority_every,
         default_every_s=args.default_every,
     )
-    result = tiers_bench.run(spec)
+    result = tiers_bench.run(plan)
     result["machine"] = machine_info()
     print_table(
-        f"splitserve bench tiers ({spec.batch_clients} batch clients, "
-        f"max_in_flight={spec.max_in_flight}; reference = priority alone)",
+        f"splitserve bench tiers ({plan.batch_clients} batch clients, "
+        f"max_in_flight={plan.max_in_flight}; reference = priority alone)",
         tiers_bench.table_rows(result),
     )
     save_outputs("tiers", result, args.json, args.plot)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class GpuSpec:
+class GpuDatasheet:
     key: str
     name: str
     bf16_tflops: float  # dense
@@ -31,12 +31,12 @@ class GpuSpec:
         return self.memory_gb_s * 1e6
 
 
-GPUS: dict[str, GpuSpec] = {
+GPUS: dict[str, GpuDatasheet] = {
     g.key: g
     for g in (
         # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 312 TFLOPS (624 with
         # sparsity), 2,039 GB/s HBM2e, NVLink 600 GB/s bidirectional.
-        GpuSpec(
+        GpuDatasheet(
             "a100",
             "NVIDIA A100-SXM4-80GB",
             312.0,
@@ -47,7 +47,7 @@ GPUS: dict[str, GpuSpec] = {
         ),
         # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS with sparsity
         # (989.5 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional.
-        GpuSpec(
+        GpuDatasheet(
             "h100",
             "NVIDIA H100 80GB HBM3",
             989.5,
@@ -59,7 +59,7 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity
         # (989.5 dense; the same GH100 compute as H100), 141 GB HBM3e at 4.8 TB/s, NVLink
         # 900 GB/s bidirectional.
-        GpuSpec(
+        GpuDatasheet(
             "h200",
             "NVIDIA H200",
             989.5,
@@ -72,7 +72,7 @@ GPUS: dict[str, GpuSpec] = {
         # GPU, 8 TB/s HBM3e; the DGX B200 datasheet's 1,440 GB over 8 GPUs is 180 GB each;
         # NVLink 5 1.8 TB/s bidirectional. (NVIDIA DGX B200 datasheet; per-GPU dense table in
         # glennklockwood.com/garden/processors/B200 from NVIDIA's Blackwell technical brief.)
-        GpuSpec(
+        GpuDatasheet(
             "b200",
             "NVIDIA B200",
             2250.0,
@@ -83,7 +83,7 @@ GPUS: dict[str, GpuSpec] = {
         ),
         # NVIDIA L40S datasheet: BF16 362.05 TFLOPS (733 with sparsity), 48 GB GDDR6 at
         # 864 GB/s; no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional.
-        GpuSpec(
+        GpuDatasheet(
             "l40s",
             "NVIDIA L40S",
             362.05,
@@ -97,7 +97,7 @@ GPUS: dict[str, GpuSpec] = {
 
 
 @dataclass(frozen=True)
-class LinkSpec:
+class LinkDatasheet:
     key: str
     gb_s: float  # per direction
     latency_ms: float  # a push's fixed cost: handshake and descriptor exchange
@@ -107,21 +107,21 @@ class LinkSpec:
 # What a KV push between a prefill and a decode replica crosses. The fixed cost is the
 # project's own: the transfer control plane's round trips (a gRPC handshake and completion),
 # taken as the shm backend's measured latency in the shipped profile (0.7 ms), rounded up.
-LINKS: dict[str, LinkSpec] = {
+LINKS: dict[str, LinkDatasheet] = {
     link.key: link
     for link in (
         # Same node: the GPUs' NVLink (per-GPU figure from the GPU's datasheet).
-        LinkSpec("nvlink", 0.0, 1.0, "the GPU's NVLink figure (GPUS[...].nvlink_gb_s)"),
+        LinkDatasheet("nvlink", 0.0, 1.0, "the GPU's NVLink figure (GPUS[...].nvlink_gb_s)"),
         # Across nodes: one NDR InfiniBand port per GPU, 400 Gb/s = 50 GB/s (NVIDIA
         # ConnectX-7 datasheet), as DGX H100/H200/B200 nodes have.
-        LinkSpec("ib400", 50.0, 1.0, "NVIDIA ConnectX-7 datasheet: 400 Gb/s NDR per port"),
+        LinkDatasheet("ib400", 50.0, 1.0, "NVIDIA ConnectX-7 datasheet: 400 Gb/s NDR per port"),
         # Across nodes on Ethernet: 100 Gb/s = 12.5 GB/s.
-        LinkSpec("eth100", 12.5, 1.0, "IEEE 802.3 100GBASE: 100 Gb/s"),
+        LinkDatasheet("eth100", 12.5, 1.0, "IEEE 802.3 100GBASE: 100 Gb/s"),
     )
 }
 
 
-def link_gb_s(link: LinkSpec, gpu: GpuSpec, tp: int) -> float:
+def link_gb_s(link: LinkDatasheet, gpu: GpuDatasheet, tp: int) -> float:
     """Per replica: NVLink is per GPU and a TP replica's shards move in parallel; one NIC per
     GPU likewise."""
     per_gpu = gpu.nvlink_gb_s if link.key == "nvlink" else link.gb_s

@@ -22,7 +22,7 @@ from tools.tuner.fleet import RouterPolicy
 from tools.tuner.prefill_sim import PrefillReplica
 
 
-class PrefillRouter:
+class SimulatedRouter:
     def __init__(self, policy: RouterPolicy, cfg: RouterConfig | None = None):
         self.policy = policy
         self.cfg = cfg or RouterConfig()
@@ -54,7 +54,7 @@ class PrefillRouter:
             )
         best = pick(scores)
         assert best is not None  # a fleet has at least one prefill replica
-        return self._ids.index(best.replica_id)
+        return self._ids.index(best.worker_id)
 
 
 def choose_decode(replicas: Sequence[DecodeReplica]) -> int:

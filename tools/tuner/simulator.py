@@ -31,7 +31,7 @@ from tools.tuner.prefill_sim import PrefillReplica
 from tools.tuner.prefix_cache import PrefixCache
 from tools.tuner.requests import RequestTable
 from tools.tuner.results import SimResult
-from tools.tuner.routing import PrefillRouter, choose_decode
+from tools.tuner.routing import SimulatedRouter, choose_decode
 from tools.tuner.trace import Trace
 
 ProgressFn = Callable[[int, int], None]
@@ -155,7 +155,7 @@ def simulate(
         )
         for i in range(fleet.prefill_replicas)
     ]
-    router = PrefillRouter(fleet.router, router_cfg)
+    router = SimulatedRouter(fleet.router, router_cfg)
     host_cost = router_cfg.host_hit_cost
     hash_ids = trace.hash_ids
     block_tokens = trace.block_tokens

@@ -77,7 +77,7 @@ def create_app(
         # Saved routers are addressed like models, so clients (the playground's picker)
         # find them where they find models.
         cards = [_model_card(m) for m in backend.models()]
-        return cards + [_router_card(name) for name in handler.model_routes.names()]
+        return cards + [_router_card(name) for name in handler.saved_routers.names()]
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

@@ -39,7 +39,7 @@ from services.coordinator.prepare.prepared import (
 from services.coordinator.prepare.prompt_tokens import PromptTokens
 from services.coordinator.prepare.schemas import ChatCompletionRequest, CompletionRequest
 from services.coordinator.route.admission import Admission, Ticket
-from services.coordinator.route.saved_routers import ModelRoutes
+from services.coordinator.route.saved_routers import SavedRouters
 from services.coordinator.route.targets import RetryPolicy, resolve_targets
 from services.coordinator.settings import APISettings
 from services.coordinator.stream.accumulate import ResponseState, shown
@@ -115,7 +115,7 @@ class GenerationHandler:
         self.metrics = metrics
         self.tracing = tracing or Tracing.disabled()
         self.keyring = settings.keyring
-        self.model_routes = ModelRoutes(settings.model_routes)
+        self.saved_routers = SavedRouters(settings.saved_routers)
         self.admission = Admission(settings.tiers)
         self._encoders: dict[str, PromptTokens] = {}  # per model: what conversations repeat
         log_config = settings.training_log
@@ -140,10 +140,10 @@ class GenerationHandler:
         return response
 
     async def _handle(self, request: Request, endpoint: Endpoint, trace: RequestTrace) -> Response:
-        spec = ENDPOINTS[endpoint]
+        kind = ENDPOINTS[endpoint]
         progress = _Progress(trace=trace)
         try:
-            prepared, policy = await self._prepare(request, spec, progress)
+            prepared, policy = await self._prepare(request, kind, progress)
         except APIError as exc:
             self._count(progress, endpoint, exc.status)
             return error_response(exc)
@@ -159,7 +159,7 @@ class GenerationHandler:
                 loop.generate, prepared.requests, hold_first=prepared.stream
             )
             if prepared.stream:
-                return await self._open_stream(request, spec, prepared, state, serving, progress)
+                return await self._open_stream(request, kind, prepared, state, serving, progress)
             await until_disconnect(request, self._collect(serving.streams, state, progress))
         except ClientDisconnected:
             serving.close()
@@ -173,25 +173,25 @@ class GenerationHandler:
         except BaseException:  # cancelled (server shutting down): still abort the work
             serving.close()
             raise
-        return self._reply(spec, prepared, state, serving, progress)
+        return self._reply(kind, prepared, state, serving, progress)
 
     async def _prepare(
-        self, request: Request, spec: _Endpoint, progress: _Progress
+        self, request: Request, kind: _Endpoint, progress: _Progress
     ) -> tuple[PreparedRequest, RetryPolicy]:
         """Who asks, what for, of which models: the request tokenized and limited. Every
         refusal is an APIError."""
         key = self.keyring.authenticate(request)
         data = await read_json_object(request, self.settings.max_body_bytes)
-        refuse_unsupported(data, spec.name)
+        refuse_unsupported(data, kind.name)
         try:
-            body = spec.schema.model_validate(data)
+            body = kind.schema.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
         tier = key.resolve_tier(body.service_tier)
         log.debug("request from key %s at tier %s", key.name, tier)  # the name, never the key
         policy, infos = resolve_targets(
             body,
-            self.model_routes,
+            self.saved_routers,
             self.settings.model_id,
             self.backend.models(),
             self.settings.max_migrations,
@@ -203,9 +203,9 @@ class GenerationHandler:
             encoder = self._encoders[model.id] = PromptTokens(model.tokenizer)
         prepare_args = (body, model, encoder, self.settings, tier)
         if _prepares_quickly(request):  # a thread hop costs more than preparing it here
-            prepared = spec.prepare(*prepare_args)
+            prepared = kind.prepare(*prepare_args)
         else:  # tokenizing a long prompt must not hold the event loop
-            prepared = await run_in_threadpool(spec.prepare, *prepare_args)
+            prepared = await run_in_threadpool(kind.prepare, *prepare_args)
         if progress.trace is not None:
             _describe(progress.trace, prepared, body)
         return prepared, policy
@@ -225,7 +225,7 @@ class GenerationHandler:
     async def _open_stream(
         self,
         request: Request,
-        spec: _Endpoint,
+        kind: _Endpoint,
         prepared: PreparedRequest,
         state: ResponseState,
         serving: _Serving,
@@ -238,14 +238,14 @@ class GenerationHandler:
             headers={"X-Request-Id": prepared.response_id, **progress.trace.headers()},
             on_close=serving.close,
         )
-        fmt = spec.format(prepared, state)
+        fmt = kind.format(prepared, state)
         first = await until_disconnect(request, serving.streams.next())
         response.body_iterator = self._events(prepared, serving, first, state, fmt, progress)
         return response
 
     def _reply(
         self,
-        spec: _Endpoint,
+        kind: _Endpoint,
         prepared: PreparedRequest,
         state: ResponseState,
         serving: _Serving,
@@ -253,7 +253,7 @@ class GenerationHandler:
     ) -> Response:
         """The whole reply in one body, once every choice has finished."""
         headers = {"X-Request-Id": prepared.response_id}
-        fmt = spec.format(prepared, state)
+        fmt = kind.format(prepared, state)
         serving.close()
         try:
             body = fmt.response()

@@ -115,7 +115,7 @@ class GrpcBackend:
             raise BackendUnavailable(
                 f"no healthy replica for model '{req.model}'", retry_after_s=1.0
             )
-        spec = pb.GenerateSpec(
+        generation = pb.Generation(
             request_id=req.request_id,
             model=req.model,
             prompt_token_ids=req.prompt_token_ids,
@@ -128,7 +128,7 @@ class GrpcBackend:
             self._stub,
             self._tracer,
             decision,
-            spec,
+            generation,
             self.transfer_deadline_s,
             self._background,
         )

@@ -47,7 +47,7 @@ class PairAttempt:
         stubs: StubSource,
         tracer: trace.Tracer,
         decision: RoutingDecision,
-        spec: pb.GenerateSpec,
+        generation: pb.Generation,
         transfer_deadline_s: float,
         background: set[asyncio.Task],
     ):
@@ -55,7 +55,7 @@ class PairAttempt:
         self._stubs = stubs
         self._tracer = tracer
         self.decision = decision
-        self.spec = spec
+        self.generation = generation
         self.transfer_deadline_s = transfer_deadline_s
         self._background = background  # keeps fire-and-forget aborts referenced
 
@@ -82,7 +82,7 @@ class PairAttempt:
                     self._tracer,
                     prefill,
                     decode,
-                    self.spec,
+                    self.generation,
                     self.transfer_deadline_s,
                     self._failure,
                     self._background,
@@ -134,7 +134,7 @@ class PairAttempt:
     def _open_decode(self, decode: WorkerInfo, first_token: int | None) -> _DecodeCall:
         pushed = first_token is not None
         request = pb.DecodeRequest(
-            spec=self.spec,
+            generation=self.generation,
             kv_transferred=pushed,
             first_token=first_token or 0,
             # The push began as the first token left the prefill replica: a PrepareReceive
@@ -184,7 +184,7 @@ class PairAttempt:
     def _abort_later(self, worker: WorkerInfo) -> None:
         """Fire-and-forget: this may run inside a cancelled task, which must not wait."""
         stub = self._stub(worker)
-        rid = self.spec.request_id
+        rid = self.generation.request_id
 
         async def abort() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):

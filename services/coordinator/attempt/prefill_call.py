@@ -54,7 +54,7 @@ class PrefillCall:
         tracer: trace.Tracer,
         prefill: WorkerInfo,
         decode: WorkerInfo,
-        spec: pb.GenerateSpec,
+        generation: pb.Generation,
         transfer_deadline_s: float,
         failure: Failure,
         background: set[asyncio.Task],
@@ -63,13 +63,13 @@ class PrefillCall:
         self._stubs = stubs
         self.prefill = prefill
         self.decode = decode
-        self.spec = spec
+        self.generation = generation
         self._failure = failure
         self._background = background
         self._span = RpcSpan(tracer, A.SPAN_PREFILL, "Prefill", prefill.worker_id, prefill.address)
         self._call = stubs(prefill, pb_grpc.WorkerStub).Prefill(
             pb.PrefillRequest(
-                spec=spec,
+                generation=generation,
                 destination=pb.KVDestination(
                     control_address=decode.address,
                     agent_name=decode.transfer_agent,
@@ -163,7 +163,9 @@ class PrefillCall:
 
     def _stream_failed(self, reason: str, lost: bool) -> None:
         log.warning(
-            "Prefill stream of %s broke after its first token: %s", self.spec.request_id, reason
+            "Prefill stream of %s broke after its first token: %s",
+            self.generation.request_id,
+            reason,
         )
         if lost:
             self.registry.mark_dead(self.prefill.worker_id, reason)
@@ -181,7 +183,7 @@ class PrefillCall:
     def _abort_receive(self, reason: str) -> None:
         """The KV will not come: the decode replica's Decode call prefills locally now."""
         stub = self._stubs(self.decode, kv_grpc.KvTransferControlStub)
-        request = kv_pb.AbortRequest(request_id=self.spec.request_id, reason=reason)
+        request = kv_pb.AbortRequest(request_id=self.generation.request_id, reason=reason)
 
         async def abort() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from services.coordinator.errors import APIError
 from services.coordinator.service_tiers import tier_priority
-from shared.config.policy import TiersConfig
+from shared.config.policy import ServiceTiersConfig
 
 RATE_LIMIT_TYPE = "rate_limit_error"
 # Before any request has finished there is no service time to go by.
@@ -52,7 +52,7 @@ class Ticket:
 class ModelQueue:
     """Slots and waiters of one model."""
 
-    def __init__(self, model_id: str, limit: int, tiers: TiersConfig):
+    def __init__(self, model_id: str, limit: int, tiers: ServiceTiersConfig):
         self.model_id = model_id
         self.limit = limit
         self.tiers = tiers
@@ -146,7 +146,7 @@ class ModelQueue:
 class Admission:
     """Queues per model, created on first use; no limit configured = admit everything."""
 
-    def __init__(self, tiers: TiersConfig):
+    def __init__(self, tiers: ServiceTiersConfig):
         self.tiers = tiers
         self._queues: dict[str, ModelQueue] = {}
 

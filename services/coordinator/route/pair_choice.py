@@ -25,7 +25,7 @@ class RoutingDecision:
 
 def replica_state(w: WorkerInfo, excluded: bool = False) -> ReplicaState:
     return ReplicaState(
-        replica_id=w.worker_id,
+        worker_id=w.worker_id,
         role=w.role,  # type: ignore[arg-type]  # checked at registration
         model=w.model,
         alive=w.routable and not excluded,

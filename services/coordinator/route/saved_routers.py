@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.coordinator.errors import APIError
-from shared.config.policy import ModelRoute, compile_cel
+from shared.config.policy import SavedRouter, compile_cel
 
 if TYPE_CHECKING:
     import celpy
@@ -41,12 +41,12 @@ def bucket(route: str, key: str) -> float:
 @dataclass
 class _Compiled:
     name: str
-    config: ModelRoute
+    config: SavedRouter
     conditions: list[celpy.Runner]
 
 
-class ModelRoutes:
-    def __init__(self, routes: dict[str, ModelRoute]):
+class SavedRouters:
+    def __init__(self, routes: dict[str, SavedRouter]):
         self._routes = {
             name: _Compiled(name, r, [compile_cel(c.when) for c in r.conditions])
             for name, r in routes.items()

@@ -7,7 +7,7 @@ from typing import Any
 
 from services.coordinator.errors import APIError, bad_request
 from services.coordinator.generation_backend import ModelInfo
-from services.coordinator.route.saved_routers import PREFIX, ModelRoutes, cel_view
+from services.coordinator.route.saved_routers import PREFIX, SavedRouters, cel_view
 
 DEFAULT_MAX_MIGRATIONS = 2
 
@@ -31,7 +31,7 @@ class RetryPolicy:
 
 def resolve_targets(
     body: Any,
-    routes: ModelRoutes,
+    routes: SavedRouters,
     default_model: str,
     served: list[ModelInfo],
     max_migrations: int,

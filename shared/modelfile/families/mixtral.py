@@ -25,7 +25,7 @@ FAMILY = Family(
     name="mixtral",
     hf_architectures=("MixtralForCausalLM",),
     config_from_hf=config_from_hf,
-    layer_names={**LLAMA_LAYER_NAMES, "block_sparse_moe.gate.weight": "router"},
+    layer_names={**LLAMA_LAYER_NAMES, "block_sparse_moe.gate.weight": "expert_gate"},
     expert_names={
         "block_sparse_moe.experts.{e}.w1.weight": "gate_proj",
         "block_sparse_moe.experts.{e}.w3.weight": "up_proj",

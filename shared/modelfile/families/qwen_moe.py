@@ -25,7 +25,7 @@ from shared.modelfile.families.mistral import sliding_everywhere
 from shared.modelfile.families.qwen2 import qwen_windows
 
 _MOE_NAMES = {
-    "mlp.gate.weight": "router",
+    "mlp.gate.weight": "expert_gate",
     "mlp.shared_expert.gate_proj.weight": "shared.gate_proj",
     "mlp.shared_expert.up_proj.weight": "shared.up_proj",
     "mlp.shared_expert.down_proj.weight": "shared.down_proj",

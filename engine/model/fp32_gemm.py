@@ -1,44 +1,15 @@
-"""Which equivalent fp32 GEMM call serves a few rows fastest on this machine, chosen so that the
-same weights always give the same bits.
+"""Which of several equivalent fp32 GEMM calls serves a few rows fastest on this machine,
+chosen once so that the same weights always give the same bits.
 
-`y = x @ W.T` for a handful of rows (a decode step, a verify step of 2–9 query tokens) can be
-asked of the BLAS as `linear(x, W)` or, weight-stationary, as `(W @ x.T).T`. The two compute
-the same products; which is faster is the BLAS's choice of kernel for the shape, and it
-differs by machine. Measured with torch's MKL on two 2-core AMD EPYCs, whole fp32 passes over
-SmolLM2's 121 matrices: on the AVX2 one, 75 ms for 1 row through `linear` but 157-216 ms for
-2-5 rows, against 55-80 ms weight-stationary; on the AVX-512 one the 49,152 x 576 head alone
-took 18 and 25 ms for 2 and 3 rows through `linear` (7.9 ms for 1), 3.4 and 4.7 ms
-weight-stationary. So a speculative verify step cost two to three plain steps. On other
-shapes and row counts `linear` wins. The native kernel's own loops are candidates too (its
-register tiles, and for up to `STREAMED_MAX_ROWS` rows its single-stream loop), as their
-order of speed flips between those two machines as well.
-
-So the route is measured, the first time a row count is seen on this machine (per thread
-count): the most recently registered fp32 weights (the model loaded last, up to
-`MEASURE_BYTES`, and one weight of each other shape) are multiplied once through each call in
-turn, in layer order as a forward pass streams them, so each call meets its weight as a real
-step does (out of cache, on a model larger than the cache; a per-call loop over one hot
-weight picks differently). Two rounds, the better kept, counting only rounds that no other
-process preempted (`_measure`).
-
-Reproducibility, which greedy identity rests on, takes three rules:
-- Every fp32 weight starts on a 64-byte boundary (`aligned`). MKL's kernels give other bits
-  for a weight 4 or 8 bytes off (measured here: both `linear` for one row and the
-  weight-stationary call, at every shape tried; offsets of 16-byte multiples agree). Weights
-  read from a file sit wherever its layout put them, so the same model loaded from a GGUF and
-  from a safetensors folder gave different logits.
-- A route once chosen for a shape and row count is never changed in the process.
-- Routes are shared by every process of this machine through a file keyed by its CPU
-  signature (the first process to need a row count measures it under a lock; the others read
-  its choice), so a prefill replica, a decode replica and a reference run agree.
-
-Row counts up to `SMALL_ROWS` are routed one by one. Past them, up to the largest of
-`ROW_BUCKETS`, a verify step of a batch (8 rows of k + 1 query tokens) or a small batch's
-prefill takes the route measured for its bucket's row count (one measurement per bucket, not
-per count): the native kernel still beat MKL's `linear` there when measured (AVX2 EPYC, 2
-threads, a pass over SmolLM2's matrices): 24 rows 52 against 89 ms, 48 rows 105 / 129,
-72 rows 142 / 165, 96 rows 191 / 207. Larger calls (prefill chunks) are the BLAS's ordinary
-GEMM regime and take `linear`.
+`y = x @ W.T` for a decode or verify step's handful of rows can be asked of the BLAS as
+`linear`, weight-stationary or paired, or of the native kernel's loops; which is fastest
+depends on the machine, the shape and the row count. So the call is measured the first time
+a row count is seen (per thread count), over the weights registered last, kept for the
+process, and shared with the machine's other processes through a file keyed by its CPU
+signature. Greedy identity rests on three rules: every fp32 weight starts on a 64-byte
+boundary (`aligned`); a choice is never changed in the process; every process of the
+machine reads the same file. The measurements behind this are in the README (fp32 GEMM call
+choice).
 """
 
 from __future__ import annotations
@@ -66,17 +37,17 @@ from kernels.native.build import cpu_signature, source_digest
 log = logging.getLogger(__name__)
 
 SMALL_ROWS = 16
-# Row counts past SMALL_ROWS share the route measured at the bucket that holds them.
+# Row counts past SMALL_ROWS share the choice measured at the bucket that holds them.
 ROW_BUCKETS = (24, 32, 48, 64, 96, 128)
 ALIGNMENT = 64  # bytes: a cache line, and past every vector width MKL's kernels align to
 # Rounds (a pass over the weights through every call) that count, and the most run to get them.
 # A round counts where no pass in it was preempted: on a machine whose cores other processes
 # share (another replica's steps, a test suite, a build), a preempted pass times the
-# scheduler, not the call, and a route once stored serves every process of the machine from
+# scheduler, not the call, and a choice once stored serves every process of the machine from
 # then on. Measured on a 2-core AVX-512 EPYC, passes over SmolLM2's matrices: 0-2 involuntary
 # context switches a pass when quiet, 75-158 beside a two-thread GEMM loop; there the first
 # measurement of 576x576 at 3 rows chose `weight-stationary` (7.9 ms a pass against native's
-# 1.7 when quiet) in 4 of 6 tries, and a routes file written in such a moment served `bench
+# 1.7 when quiet) in 4 of 6 tries, and a choices file written in such a moment served `bench
 # spec`'s 9-row verify steps at 59.7 ms, against 54.5 once measured again when quiet.
 _ROUNDS = 2
 _MAX_ROUNDS = 6
@@ -84,7 +55,7 @@ _MAX_ROUNDS = 6
 # threads, a timer), one more per 10 ms of pass.
 _QUIET_SWITCHES = 4
 _QUIET_SWITCHES_PER_SECOND = 100.0
-ROUTES_VERSION = 6  # bump when what is measured changes, so cached routes are redone
+CHOICES_VERSION = 6  # bump when what is measured changes, so stored choices are redone
 # The measurement streams at most this much of the most recently loaded weights: well past a
 # CPU's cache (so they come from memory, as in a step), and a pause of tens of ms, once per
 # row count and machine, whatever else the process holds.
@@ -92,11 +63,6 @@ MEASURE_BYTES = 128 << 20
 
 Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int, int, int]  # (out, in, rows, threads)
-
-_weights: list[weakref.ref[torch.Tensor]] = []
-# (out, in, rows, threads) -> the call chosen for it (absent: not settled yet).
-_routes: dict[Key, str] = {}
-_measured: set[tuple[int, int]] = set()  # (rows, threads) settled for every registered shape
 
 
 def aligned(weight: torch.Tensor) -> torch.Tensor:
@@ -109,16 +75,6 @@ def aligned(weight: torch.Tensor) -> torch.Tensor:
     copy.copy_(weight)
     assert copy.data_ptr() % ALIGNMENT == 0, "torch's allocator no longer aligns to 64 bytes"
     return copy
-
-
-def register(weight: torch.Tensor) -> None:
-    """A CPU fp32 weight [out, in] that serves through `fp32_linear`, in forward order."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-        return
-    shape = (weight.shape[0], weight.shape[1])
-    if not any(shape == (o, i) for o, i, _, _ in _routes):
-        _measured.clear()  # a shape no route has: settle again, with it
-    _weights.append(weakref.ref(weight))
 
 
 def _weight_stationary(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -137,7 +93,7 @@ class _NativeF32:
     linear_f32): rows in register tiles of six, each weight vector read once per tile, where
     MKL's small-row kernels were measured at a third of the CPU's FMA rate (an 8-row pass
     over SmolLM2's matrices cost 1.6 one-row passes on an AVX2 EPYC). Absent where the
-    library cannot be built (no compiler): the route then never offers it."""
+    library cannot be built (no compiler): it is then never a candidate."""
 
     def __init__(self, streamed: bool = False) -> None:
         from kernels.native import abi
@@ -182,14 +138,10 @@ class _NativeF32:
 # faster differs by machine (2 and 3 rows: 12 and 16 ms a pass streamed against 25 tiled on an
 # AVX-512 EPYC, where an AVX2 EPYC had the tile near one row's cost).
 STREAMED_MAX_ROWS = 8
-_natives: dict[bool, _NativeF32] = {}
 
 
 def _native_call(streamed: bool = False) -> _NativeF32 | None:
-    native = _natives.get(streamed)
-    if native is None:
-        native = _natives[streamed] = _NativeF32(streamed)
-    return native if native.available else None
+    return PROCESS_CHOICES.native_call(streamed)
 
 
 def _calls(rows: int) -> dict[str, Call]:
@@ -212,26 +164,6 @@ def _pass_seconds(call: Call, weights: list[torch.Tensor], xs: dict[int, torch.T
         call(xs[w.shape[1]], w)
         spent[(w.shape[0], w.shape[1])] += time.perf_counter() - start
     return spent
-
-
-def _live_weights() -> list[torch.Tensor]:
-    """The registered weights to time: the latest `MEASURE_BYTES`, then one of each other
-    shape, in forward order."""
-    _weights[:] = [r for r in _weights if r() is not None]
-    weights: list[torch.Tensor] = []
-    shapes: set[tuple[int, int]] = set()
-    budget = MEASURE_BYTES
-    for ref in reversed(_weights):
-        w = ref()
-        if w is None:
-            continue
-        shape = (w.shape[0], w.shape[1])
-        if budget > 0 or shape not in shapes:  # past the budget, each new shape once
-            weights.append(w)
-            shapes.add(shape)
-            budget -= w.numel() * w.element_size()
-    weights.reverse()  # forward order, as a step streams them
-    return weights
 
 
 def _preemptions() -> int:
@@ -272,7 +204,7 @@ def _measure(rows: int, weights: list[torch.Tensor]) -> dict[tuple[int, int], st
                 break
     if not quiet_rounds:
         log.warning(
-            "fp32 routes for %d rows measured while other processes held the cores "
+            "fp32 GEMM calls for %d rows measured while other processes held the cores "
             "(every pass of %d rounds preempted): chosen from the best of them",
             rows,
             _MAX_ROUNDS,
@@ -281,19 +213,20 @@ def _measure(rows: int, weights: list[torch.Tensor]) -> dict[tuple[int, int], st
     return {shape: min(best, key=lambda name: best[name][shape]) for shape in best["linear"]}
 
 
-def routes_path(threads: int) -> Path:
-    """Where this machine's routes for `threads` threads are kept."""
+def choices_path(threads: int) -> Path:
+    """Where this machine's choices for `threads` threads are kept."""
     omp = f"{os.environ.get('OMP_WAIT_POLICY', '')},{os.environ.get('GOMP_SPINCOUNT', '')}"
     # The native kernel's source too: a changed kernel is a different candidate.
-    parts = [str(ROUTES_VERSION), cpu_signature(), str(threads), torch.__version__, omp]
+    parts = [str(CHOICES_VERSION), cpu_signature(), str(threads), torch.__version__, omp]
     key = "|".join([*parts, source_digest()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    # The file's name predates the word "choice": kept, so a machine's choices carry over.
     return native_cache_dir().parent / "formats" / f"fp32-routes-{digest}.json"
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[dict[str, str]]:
-    """The routes file's contents under an exclusive lock; what the body leaves in the dict
+    """The choices file's contents under an exclusive lock; what the body leaves in the dict
     is written back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
@@ -303,7 +236,7 @@ def _locked(path: Path) -> Iterator[dict[str, str]]:
             try:
                 stored = dict(json.loads(path.read_text()))
             except (OSError, ValueError, TypeError) as exc:
-                log.warning("ignoring unreadable fp32 routes %s: %s", path, exc)
+                log.warning("ignoring unreadable fp32 GEMM choices %s: %s", path, exc)
         before = dict(stored)
         yield stored
         if stored != before:
@@ -312,83 +245,12 @@ def _locked(path: Path) -> Iterator[dict[str, str]]:
             os.replace(tmp, path)
 
 
-def _settle(rows: int, threads: int) -> None:
-    """Give every registered shape a route for `rows` rows: this process's, else this
-    machine's stored one, else one measured now (and stored for the other processes)."""
-    weights = _live_weights()
-    shapes = {(w.shape[0], w.shape[1]) for w in weights}
-    missing = {s for s in shapes if (*s, rows, threads) not in _routes}
-    if missing:
-        try:
-            with _locked(routes_path(threads)) as stored:
-                _adopt(stored, rows, threads, missing, weights)
-        except OSError as exc:  # a read-only home still serves; other processes may differ
-            log.warning("cannot share fp32 routes: %s", exc)
-            # What was adopted before the failure (a full disk at the write) is kept.
-            left = {s for s in missing if (*s, rows, threads) not in _routes}
-            _adopt({}, rows, threads, left, weights)
-    _measured.add((rows, threads))
-
-
-def _adopt(
-    stored: dict[str, str],
-    rows: int,
-    threads: int,
-    missing: set[tuple[int, int]],
-    weights: list[torch.Tensor],
-) -> None:
-    calls = _calls(rows)
-    unknown = set()
-    for shape in missing:
-        route = stored.get(f"{shape[0]}x{shape[1]},{rows}")
-        if route in calls:
-            _routes[(*shape, rows, threads)] = route
-        else:
-            unknown.add(shape)
-    if unknown:
-        for shape, route in _measure(rows, weights).items():
-            if shape in unknown:
-                _routes[(*shape, rows, threads)] = route
-                stored[f"{shape[0]}x{shape[1]},{rows}"] = route
-
-
-def routed_rows(rows: int) -> int | None:
-    """The row count whose route serves `rows` rows (None: past every bucket, `linear`)."""
-    if rows <= SMALL_ROWS:
-        return rows
-    return next((bucket for bucket in ROW_BUCKETS if rows <= bucket), None)
-
-
-def settle(max_rows: int) -> None:
-    """Route now every row count up to `max_rows` for the registered weights (adopted from
-    this machine's routes file, else measured), so that no timed step pauses to measure."""
-    threads = torch.get_num_threads()
-    counts = {routed_rows(n) for n in range(1, max_rows + 1)}
-    for rows in sorted(c for c in counts if c is not None):
-        if (rows, threads) not in _measured:
-            _settle(rows, threads)
-
-
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` for fp32 `weight` [out, in], by the call chosen for it here."""
-    rows = routed_rows(x.shape[0]) if x.dim() == 2 else None
-    if rows is None or x.device.type != "cpu":
-        return F.linear(x, weight)
-    key = (weight.shape[0], weight.shape[1], rows, torch.get_num_threads())
-    route = _routes.get(key)
-    if route is None:
-        if (key[2], key[3]) not in _measured:
-            _settle(key[2], key[3])
-        route = _routes.get(key, "linear")  # a weight never registered
-    return _call(route)(x, weight)
-
-
-def _call(route: str) -> Call:
-    if route in ("native", "native-streamed"):
-        native = _native_call(streamed=route == "native-streamed")
-        assert native is not None, "a native route is only chosen where the library loads"
+def _call(name: str) -> Call:
+    if name in ("native", "native-streamed"):
+        native = _native_call(streamed=name == "native-streamed")
+        assert native is not None, "a native call is only chosen where the library loads"
         return native
-    return _CALLS[route]
+    return _CALLS[name]
 
 
 _CALLS: dict[str, Call] = {
@@ -398,6 +260,144 @@ _CALLS: dict[str, Call] = {
 }
 
 
-def measured_routes() -> dict[str, str]:
-    """What was chosen so far, for logs and benchmarks: 'out x in, rows, threads' -> call."""
-    return {f"{o}x{i}, {r} rows, {t} threads": c for (o, i, r, t), c in sorted(_routes.items())}
+def choice_rows(rows: int) -> int | None:
+    """The row count whose choice serves `rows` rows (None: past every bucket, `linear`)."""
+    if rows <= SMALL_ROWS:
+        return rows
+    return next((bucket for bucket in ROW_BUCKETS if rows <= bucket), None)
+
+
+class GemmCallChoices:
+    """One process's choices: the fp32 weights registered (in forward order), the call chosen
+    per (out, in, rows, threads), and the (rows, threads) settled for every registered shape.
+
+    One per process (`PROCESS_CHOICES`) on purpose: every model the process holds (the
+    target, a draft, a head, a reference) must take the same call for a shape, and keep it,
+    or the same weights would give other bits."""
+
+    def __init__(self) -> None:
+        self.weights: list[weakref.ref[torch.Tensor]] = []
+        self.chosen: dict[Key, str] = {}
+        self.settled: set[tuple[int, int]] = set()
+        self.natives: dict[bool, _NativeF32] = {}
+
+    def register(self, weight: torch.Tensor) -> None:
+        """A CPU fp32 weight [out, in] that serves through `fp32_linear`, in forward order."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            return
+        shape = (weight.shape[0], weight.shape[1])
+        if not any(shape == (o, i) for o, i, _, _ in self.chosen):
+            self.settled.clear()  # a shape nothing was chosen for: settle again, with it
+        self.weights.append(weakref.ref(weight))
+
+    def native_call(self, streamed: bool = False) -> _NativeF32 | None:
+        native = self.natives.get(streamed)
+        if native is None:
+            native = self.natives[streamed] = _NativeF32(streamed)
+        return native if native.available else None
+
+    def settle(self, max_rows: int) -> None:
+        """Choose now for every row count up to `max_rows` and the registered weights
+        (adopted from this machine's file, else measured), so that no timed step pauses to
+        measure."""
+        threads = torch.get_num_threads()
+        counts = {choice_rows(n) for n in range(1, max_rows + 1)}
+        for rows in sorted(c for c in counts if c is not None):
+            if (rows, threads) not in self.settled:
+                self._settle(rows, threads)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T` for fp32 `weight` [out, in], by the call chosen for it here."""
+        rows = choice_rows(x.shape[0]) if x.dim() == 2 else None
+        if rows is None or x.device.type != "cpu":
+            return F.linear(x, weight)
+        key = (weight.shape[0], weight.shape[1], rows, torch.get_num_threads())
+        name = self.chosen.get(key)
+        if name is None:
+            if (key[2], key[3]) not in self.settled:
+                self._settle(key[2], key[3])
+            name = self.chosen.get(key, "linear")  # a weight never registered
+        return _call(name)(x, weight)
+
+    def chosen_calls(self) -> dict[str, str]:
+        """What was chosen so far, for logs and benchmarks: 'out x in, rows, threads' -> call."""
+        return {
+            f"{o}x{i}, {r} rows, {t} threads": c for (o, i, r, t), c in sorted(self.chosen.items())
+        }
+
+    def _settle(self, rows: int, threads: int) -> None:
+        """Give every registered shape a call for `rows` rows: this process's, else this
+        machine's stored one, else one measured now (and stored for the other processes)."""
+        weights = self._live_weights()
+        shapes = {(w.shape[0], w.shape[1]) for w in weights}
+        missing = {s for s in shapes if (*s, rows, threads) not in self.chosen}
+        if missing:
+            try:
+                with _locked(choices_path(threads)) as stored:
+                    self._adopt(stored, rows, threads, missing, weights)
+            except OSError as exc:  # a read-only home still serves; other processes may differ
+                log.warning("cannot share fp32 GEMM choices: %s", exc)
+                # What was adopted before the failure (a full disk at the write) is kept.
+                left = {s for s in missing if (*s, rows, threads) not in self.chosen}
+                self._adopt({}, rows, threads, left, weights)
+        self.settled.add((rows, threads))
+
+    def _adopt(
+        self,
+        stored: dict[str, str],
+        rows: int,
+        threads: int,
+        missing: set[tuple[int, int]],
+        weights: list[torch.Tensor],
+    ) -> None:
+        calls = _calls(rows)
+        unknown = set()
+        for shape in missing:
+            name = stored.get(f"{shape[0]}x{shape[1]},{rows}")
+            if name in calls:
+                self.chosen[(*shape, rows, threads)] = name
+            else:
+                unknown.add(shape)
+        if unknown:
+            for shape, name in _measure(rows, weights).items():
+                if shape in unknown:
+                    self.chosen[(*shape, rows, threads)] = name
+                    stored[f"{shape[0]}x{shape[1]},{rows}"] = name
+
+    def _live_weights(self) -> list[torch.Tensor]:
+        """The registered weights to time: the latest `MEASURE_BYTES`, then one of each
+        other shape, in forward order."""
+        self.weights[:] = [r for r in self.weights if r() is not None]
+        weights: list[torch.Tensor] = []
+        shapes: set[tuple[int, int]] = set()
+        budget = MEASURE_BYTES
+        for ref in reversed(self.weights):
+            w = ref()
+            if w is None:
+                continue
+            shape = (w.shape[0], w.shape[1])
+            if budget > 0 or shape not in shapes:  # past the budget, each new shape once
+                weights.append(w)
+                shapes.add(shape)
+                budget -= w.numel() * w.element_size()
+        weights.reverse()  # forward order, as a step streams them
+        return weights
+
+
+PROCESS_CHOICES = GemmCallChoices()
+
+
+def register(weight: torch.Tensor) -> None:
+    PROCESS_CHOICES.register(weight)
+
+
+def settle(max_rows: int) -> None:
+    PROCESS_CHOICES.settle(max_rows)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return PROCESS_CHOICES.linear(x, weight)
+
+
+def chosen_calls() -> dict[str, str]:
+    return PROCESS_CHOICES.chosen_calls()
