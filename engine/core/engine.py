@@ -12,15 +12,13 @@ from engine.core.config import EngineConfig
 from engine.core.constraints import OutputConstraints, fit_drafts_to_grammar
 from engine.core.draft_swap import DraftFileWatcher, DraftSwap
 from engine.core.errors import RequestError
+from engine.core.kv_setup import block_manager, block_salt, kv_pool
 from engine.core.model_setup import load_serving_model
 from engine.core.output import RequestOutput
 from engine.core.runner import ModelRunner, StepResult
 from engine.core.scheduler import ScheduledSeq, Scheduler, StepBatch
 from engine.core.sequence import SeqStatus, Sequence
 from engine.core.speculator_build import build_speculator, load_draft_file
-from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.disk_kv_tier import DiskKVTier
-from engine.kvcache.host_kv_tier import HostKVTier
 from engine.kvcache.kv_dtype import resolve_kv_dtype
 from engine.kvcache.pool import KVPool
 from engine.kvcache.tables import BlockTable
@@ -67,42 +65,9 @@ class Engine:
         )
         self.kv_dtype, _ = resolve_kv_dtype(config.kv_cache_dtype, config.device)
         layout = self.model.kv_layout(config.block_size, self.kv_dtype)
-        if pool is not None:
-            if pool.layout != layout:
-                raise ValueError(
-                    f"KV pool layout {pool.layout} does not match the model's {layout}"
-                )
-            self.pool = pool
-        elif config.num_blocks is not None:
-            self.pool = KVPool(layout, config.num_blocks, config.device)
-        else:
-            self.pool = KVPool.from_budget(layout, config.kv_cache_bytes, config.device)
-        host = None
-        if config.host_cache_bytes > 0:
-            disk = None
-            if config.disk_cache_bytes > 0 and config.disk_cache_dir:
-                disk = DiskKVTier(
-                    config.disk_cache_dir, max(1, config.disk_cache_bytes // layout.block_bytes)
-                )
-            host = HostKVTier(
-                max(1, config.host_cache_bytes // layout.block_bytes),
-                layout.block_shape,
-                layout.dtype,
-                disk,
-            )
-        # Block hashes must agree across replicas and with the router: salt them with the
-        # tokenizer's fingerprint (same ids mean the same text) unless told otherwise.
-        salt = kv_salt or (tokenizer.fingerprint if tokenizer else repr(model_cfg)).encode()
-        self.blocks = BlockManager(
-            self.pool.num_blocks,
-            config.block_size,
-            salt=salt,
-            host_kv_tier=host,
-            pool=self.pool,
-            event_sink=event_sink,
-            # Only where every layer slides can old blocks go: a global layer reads them all.
-            window_tokens=model_cfg.max_window,
-        )
+        self.pool = kv_pool(config, layout, pool)
+        salt = block_salt(tokenizer, kv_salt, model_cfg)
+        self.blocks = block_manager(config, self.pool, model_cfg, salt, event_sink)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, self.pool, config.block_size, seed=config.seed)
         fingerprint = tokenizer.fingerprint if tokenizer else (kv_salt or b"").decode()
@@ -128,7 +93,7 @@ class Engine:
         # Structured outputs (response_format); a worker sets `constraints.tokenizer`.
         self.constraints = OutputConstraints(tokenizer)
         # Called on the engine thread after every non-empty step with (batch, start_ns, end_ns)
-        # in wall-clock ns: metrics and request timelines for traces (shared/telemetry).
+        # in wall-clock ns: metrics and request timelines for traces (services/worker).
         self.step_observers: list[Callable[[StepBatch, int, int], None]] = []
         # New drafts offered from any thread (a file watcher, a test), installed between steps.
         self.draft_swap = DraftSwap()

@@ -119,13 +119,6 @@ def require_activation(raw: dict[str, Any], path: str, key: str, allowed: str) -
         raise ModelFileError(path, f"unsupported config feature: activation '{value}'")
 
 
-def windows_from_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Per layer window from `layer_types` (transformers writes it for hybrid families)."""
-    types = raw.get("layer_types") or ["full_attention"] * num_layers
-    window = raw.get("sliding_window")
-    return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
-
-
 def moe_settings(raw: dict[str, Any], num_layers: int, always_normalise: bool) -> MoEConfig:
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     step = int(raw.get("decoder_sparse_step", 1) or 1)

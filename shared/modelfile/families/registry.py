@@ -19,14 +19,9 @@ FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
 )
 _BY_HF = {arch: f for f in FAMILIES for arch in f.hf_architectures}
-_BY_NAME = {f.name: f for f in FAMILIES}
 _BY_GGUF = {arch: f for f in FAMILIES for arch in f.gguf_architectures}
 # Older folders name no `architectures`; their `model_type` still says which layout it is.
 _BY_MODEL_TYPE = {"llama": llama.FAMILY, "mistral": mistral.FAMILY, "qwen2": qwen2.FAMILY}
-
-
-def family_named(name: str) -> Family:
-    return _BY_NAME[name]
 
 
 def family_for_hf(raw: dict[str, Any], path: str) -> Family:
