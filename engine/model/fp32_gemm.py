@@ -8,8 +8,8 @@ a row count is seen (per thread count), over the weights registered last, kept f
 process, and shared with the machine's other processes through a file keyed by its CPU
 signature. Greedy identity rests on three rules: every fp32 weight starts on a 64-byte
 boundary (`aligned`); a choice is never changed in the process; every process of the
-machine reads the same file. The measurements behind this are in the README (fp32 GEMM call
-choice).
+machine reads the same file. The measurements behind this are in the README's engine
+section ("Two paths, a format each").
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ GIL_SWITCH_S = 0.0005
 # On SIGTERM running streams get `worker_drain_grace_s` to finish; then the Decode streams
 # still open are handed over (migrated by the coordinator), and whatever is still open (a
 # hand-over message, a Prefill call's last message on its way out) gets DRAIN_TAIL_S. The
-# chart's terminationGracePeriodSeconds leaves room for it (helm/splitserve/_config.tpl).
+# chart's terminationGracePeriodSeconds leaves room for it (helm/splitserve/templates/_config.tpl).
 DRAIN_TAIL_S = 2.0
 
 

@@ -35,7 +35,7 @@ class ToolCallParsing:
     names: frozenset[str]
     parallel: bool = True
     # tool_choice "required" or named: the whole reply is the call(s), as JSON the workers'
-    # grammar enforces (shared/sampling/tool_call_schema), read once the reply has ended.
+    # grammar enforces (prepare/tool_call_schema.py), read once the reply has ended.
     forced: bool = False
 
 
