@@ -21,6 +21,7 @@ from services.coordinator.api.metrics import APIMetrics
 from services.coordinator.api.tokenizer_routes import add_tokenizer_routes
 from services.coordinator.errors import INVALID_REQUEST, APIError, error_body
 from services.coordinator.generation_backend import GenerationBackend, ModelInfo
+from services.coordinator.keys import KeyRing
 from services.coordinator.playground.routes import PlaygroundSources, add_playground
 from services.coordinator.route.saved_routers import PREFIX as ROUTER_PREFIX
 from services.coordinator.settings import APISettings
@@ -49,6 +50,20 @@ def create_app(
     app.state.backend = backend
     app.state.settings = settings
     app.state.metrics = metrics
+    _add_error_shapes(app)
+    _add_generation_routes(app, handler)
+    _add_model_routes(app, backend, handler, keyring)
+    add_tokenizer_routes(app, backend, settings)
+    _add_operator_routes(app, backend, metrics)
+    if settings.playground_enabled:
+        if playground is None:
+            playground = PlaygroundSources(traces=tracing.recent if tracing else None)
+        add_playground(app, keyring, playground)
+    return app
+
+
+def _add_error_shapes(app: FastAPI) -> None:
+    """Every error, ours or Starlette's, in OpenAI's shape."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -65,6 +80,8 @@ def create_app(
             headers=getattr(exc, "headers", None),
         )
 
+
+def _add_generation_routes(app: FastAPI, handler: GenerationHandler) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handler.handle(request, "chat")
@@ -73,6 +90,10 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await handler.handle(request, "completion")
 
+
+def _add_model_routes(
+    app: FastAPI, backend: GenerationBackend, handler: GenerationHandler, keyring: KeyRing
+) -> None:
     def model_cards() -> list[dict]:
         # Saved routers are addressed like models, so clients (the playground's picker)
         # find them where they find models.
@@ -94,7 +115,9 @@ def create_app(
             404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
         )
 
-    add_tokenizer_routes(app, backend, settings)
+
+def _add_operator_routes(app: FastAPI, backend: GenerationBackend, metrics: APIMetrics) -> None:
+    """Liveness, readiness and metrics: for operators, without an API key."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -111,12 +134,6 @@ def create_app(
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
-
-    if settings.playground_enabled:
-        if playground is None:
-            playground = PlaygroundSources(traces=tracing.recent if tracing else None)
-        add_playground(app, keyring, playground)
-    return app
 
 
 def _router_card(name: str) -> dict:
