@@ -201,13 +201,7 @@ class _ClientStream:
         if origin:
             self._num_cached = chunk.num_cached_tokens
         self.progress.streamed.extend(chunk.token_ids)
-        relayed = replace(
-            chunk,
-            metadata=chunk.metadata if origin else None,
-            prompt_logprobs=chunk.prompt_logprobs if origin else None,
-            num_output_tokens=chunk.num_output_tokens + attempt.after_tokens,
-        )
-        return self._for_client(relayed)
+        return self._for_client(chunk, origin, attempt.after_tokens)
 
     def finish(self, reason: str) -> GenerationChunk:
         chunk = GenerationChunk(
@@ -217,7 +211,7 @@ class _ClientStream:
             num_output_tokens=len(self.progress.streamed),
             replica=self._last_replica,
         )
-        return self._for_client(chunk)
+        return self._for_client(chunk, origin=True, after_tokens=0)
 
     def _note(self, attempt: Attempt, chunk: GenerationChunk) -> None:
         """The attempt's pair and routing, from its first chunk (or any with metadata)."""
@@ -229,7 +223,11 @@ class _ClientStream:
             if line not in self.reasoning:
                 self.reasoning.append(line)
 
-    def _for_client(self, chunk: GenerationChunk) -> GenerationChunk:
+    def _for_client(
+        self, chunk: GenerationChunk, origin: bool, after_tokens: int
+    ) -> GenerationChunk:
+        """The chunk as the client's stream carries it: its text, counters relative to the
+        client's prompt and output, and only the origin attempt's metadata."""
         # A stop string finishes it: the loop then returns.
         chunk = add_text(chunk, self.tracker, self.stop_token_ids)
         structured = self.progress.request.params.structured
@@ -240,16 +238,18 @@ class _ClientStream:
                 "does not match the requested format"
             )
         self._last_replica = chunk.replica or self._last_replica
-        metadata = chunk.metadata
+        metadata = chunk.metadata if origin else None
         if not self._annotated_head or chunk.finished:
             self._annotated_head = bool(chunk.token_ids) or chunk.finished
             metadata = self._annotated(metadata)
         return replace(
             chunk,
+            metadata=metadata,
+            prompt_logprobs=chunk.prompt_logprobs if origin else None,
             finish_reason=chunk.finish_reason if chunk.finished else None,
             num_prompt_tokens=len(self.progress.request.prompt_token_ids),
             num_cached_tokens=self._num_cached,
-            metadata=metadata,
+            num_output_tokens=chunk.num_output_tokens + after_tokens,
         )
 
     def _annotated(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
