@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shared.sampling.logprob import TokenLogprob
@@ -17,7 +17,7 @@ class GenerationChunk:
     """What one step produced for one request: token ids and counters from the worker's
     stream. A value: each stage of the coordinator that changes it (the pair attempt adds the
     transfer's outcome, the retry loop the text delta and the client's counters) makes a new
-    one with `dataclasses.replace`."""
+    one with `with_changes`."""
 
     token_ids: list[int]
     text: str = ""  # delta, safe to show (no partial stop string, no broken UTF-8)
@@ -34,6 +34,21 @@ class GenerationChunk:
     # Anything else the backend wants on the response's `metadata` (routing, the KV push's
     # outcome); merged into it as-is, later chunks overriding earlier keys.
     metadata: dict[str, Any] | None = None
+
+    def with_changes(self, **changes: Any) -> GenerationChunk:
+        """A copy with `changes`. Not `dataclasses.replace`, which runs `__init__` through the
+        frozen class's guarded setattr: 2.3 us a copy against 0.4 here, and every streamed
+        chunk is copied on its way through the coordinator."""
+        if not changes.keys() <= _CHUNK_FIELDS:
+            unknown = sorted(changes.keys() - _CHUNK_FIELDS)
+            raise TypeError(f"GenerationChunk has no field(s) {unknown}")
+        copy = object.__new__(GenerationChunk)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
+
+
+_CHUNK_FIELDS = frozenset(f.name for f in fields(GenerationChunk))
 
 
 @dataclass(frozen=True)

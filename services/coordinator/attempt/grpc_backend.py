@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -143,7 +142,7 @@ class GrpcBackend:
                     )
                     meta = {"replica": decision.describe(), "routing": decision.reasoning}
                     meta.update(current_trace_metadata())
-                    chunk = replace(chunk, metadata={**meta, **(chunk.metadata or {})})
+                    chunk = chunk.with_changes(metadata={**meta, **(chunk.metadata or {})})
                 yield chunk
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -111,7 +111,7 @@ class PairAttempt:
                         else unreported.transfer_now()
                     )
                     if transfer is not None:
-                        chunk = replace(chunk, metadata={"transfer": transfer})
+                        chunk = chunk.with_changes(metadata={"transfer": transfer})
                         unreported = None
                 finished = chunk.finished
                 yield chunk
@@ -156,7 +156,7 @@ class PairAttempt:
                 span.record_chunk(len(msg.token_ids), msg.finished, msg.num_output_tokens)
                 chunk = decode_chunk(msg, decode.worker_id)
                 if not msg.local_prefill:  # the decode replica did not compute the prompt
-                    chunk = replace(chunk, num_cached_tokens=prefill_cached)
+                    chunk = chunk.with_changes(num_cached_tokens=prefill_cached)
                 yield chunk
                 if msg.finished:
                     return

@@ -25,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from services.coordinator.attempt.progress import MOVES, Attempt, RequestProgress
@@ -39,7 +38,7 @@ from services.coordinator.generation_backend import (
     ReplicaLost,
 )
 from services.coordinator.route.targets import RetryPolicy
-from services.coordinator.stream.text import add_text
+from services.coordinator.stream.text import text_changes
 from services.coordinator.stream.text_tracker import TextTracker
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.tokenizer import Tokenizer
@@ -226,12 +225,13 @@ class _ClientStream:
     def _for_client(
         self, chunk: GenerationChunk, origin: bool, after_tokens: int
     ) -> GenerationChunk:
-        """The chunk as the client's stream carries it: its text, counters relative to the
-        client's prompt and output, and only the origin attempt's metadata."""
-        # A stop string finishes it: the loop then returns.
-        chunk = add_text(chunk, self.tracker, self.stop_token_ids)
-        structured = self.progress.request.params.structured
-        if chunk.finished and chunk.finish_reason == "length" and structured:
+        """The chunk as the client's stream carries it, in one copy: its text (a stop string
+        finishes it, and the loop then returns), counters relative to the client's prompt and
+        output, and only the origin attempt's metadata."""
+        changes = text_changes(chunk, self.tracker, self.stop_token_ids)
+        finished = changes.get("finished", chunk.finished)
+        reason = changes.get("finish_reason", chunk.finish_reason) if finished else None
+        if reason == "length" and self.progress.request.params.structured:
             # The grammar ends a complete value with "stop"; "length" means it is cut off.
             self.reasoning.append(
                 "response_format: max_tokens ran out before the output was complete; it "
@@ -239,18 +239,19 @@ class _ClientStream:
             )
         self._last_replica = chunk.replica or self._last_replica
         metadata = chunk.metadata if origin else None
-        if not self._annotated_head or chunk.finished:
-            self._annotated_head = bool(chunk.token_ids) or chunk.finished
+        if not self._annotated_head or finished:
+            self._annotated_head = bool(changes.get("token_ids", chunk.token_ids)) or finished
             metadata = self._annotated(metadata)
-        return replace(
-            chunk,
+        output = changes.get("num_output_tokens", chunk.num_output_tokens) + after_tokens
+        changes.update(
             metadata=metadata,
             prompt_logprobs=chunk.prompt_logprobs if origin else None,
-            finish_reason=chunk.finish_reason if chunk.finished else None,
+            finish_reason=reason,
             num_prompt_tokens=len(self.progress.request.prompt_token_ids),
             num_cached_tokens=self._num_cached,
-            num_output_tokens=chunk.num_output_tokens + after_tokens,
+            num_output_tokens=output,
         )
+        return chunk.with_changes(**changes)
 
     def _annotated(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
         """The chunk's metadata with the request's model, attempts and reasoning."""

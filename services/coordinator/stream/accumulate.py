@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.coordinator.generation_backend import GenerationChunk
@@ -110,7 +110,7 @@ def shown(chunk: GenerationChunk, prepared: PreparedRequest) -> GenerationChunk:
     prompt pass is not output."""
     if not prepared.drop_output:
         return chunk
-    return replace(chunk, token_ids=[], text="", logprobs=[])
+    return chunk.with_changes(token_ids=[], text="", logprobs=[])
 
 
 def _as_string(value: Any) -> str:

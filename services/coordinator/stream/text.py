@@ -13,7 +13,7 @@ completes the value, which is shown (callers that know the stop tokens pass them
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import replace
+from typing import Any
 
 from services.coordinator.generation_backend import GenerationChunk
 from services.coordinator.stream.text_tracker import TextTracker
@@ -24,6 +24,14 @@ def add_text(
 ) -> GenerationChunk:
     """The chunk with its text delta; cut at the token that completes a stop string.
     `stop_token_ids`: the tokens a backend's "stop" hides (None: its last token, whatever)."""
+    return chunk.with_changes(**text_changes(chunk, tracker, stop_token_ids))
+
+
+def text_changes(
+    chunk: GenerationChunk, tracker: TextTracker, stop_token_ids: Container[int] | None = None
+) -> dict[str, Any]:
+    """What `add_text` changes in the chunk, for a caller that makes one copy of it with its
+    own changes too: `text`, and where a stop string completes inside the chunk, the cut."""
     ids = chunk.token_ids
     stop_token = (
         chunk.finished
@@ -43,15 +51,14 @@ def add_text(
             text += delta
             if hit:
                 dropped = len(ids) - n
-                return replace(
-                    chunk,
-                    token_ids=ids[:n],
-                    logprobs=chunk.logprobs[:n],
-                    num_output_tokens=chunk.num_output_tokens - dropped,
-                    text=text,
-                    finished=True,
-                    finish_reason="stop",
-                )
+                return {
+                    "token_ids": ids[:n],
+                    "logprobs": chunk.logprobs[:n],
+                    "num_output_tokens": chunk.num_output_tokens - dropped,
+                    "text": text,
+                    "finished": True,
+                    "finish_reason": "stop",
+                }
     if chunk.finished:
         text += tracker.finish()
-    return replace(chunk, text=text)
+    return {"text": text}
