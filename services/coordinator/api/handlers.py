@@ -44,7 +44,11 @@ from services.coordinator.route.targets import RetryPolicy, resolve_targets
 from services.coordinator.settings import APISettings
 from services.coordinator.stream.accumulate import ResponseState, shown
 from services.coordinator.stream.choices import ChoiceStreams
-from services.coordinator.stream.formatting import ChatFormat, CompletionFormat, ResponseFormat
+from services.coordinator.stream.formatting import (
+    ChatFormatter,
+    CompletionFormatter,
+    ResponseFormatter,
+)
 from services.coordinator.stream.sse import SSE_DONE, SSEResponse, sse
 from shared.telemetry.tracing import Tracing
 from shared.training_log import LoggedTurn, TrainingLogWriter
@@ -66,12 +70,14 @@ class _Endpoint:
     name: Endpoint
     schema: type[BaseModel]
     prepare: Callable[..., PreparedRequest]
-    format: type[ResponseFormat]
+    format: type[ResponseFormatter]
 
 
 ENDPOINTS = {
-    "chat": _Endpoint("chat", ChatCompletionRequest, prepare_chat, ChatFormat),
-    "completion": _Endpoint("completion", CompletionRequest, prepare_completion, CompletionFormat),
+    "chat": _Endpoint("chat", ChatCompletionRequest, prepare_chat, ChatFormatter),
+    "completion": _Endpoint(
+        "completion", CompletionRequest, prepare_completion, CompletionFormatter
+    ),
 }
 
 
@@ -279,7 +285,7 @@ class GenerationHandler:
         serving: _Serving,
         first: tuple[int, GenerationChunk] | None,
         state: ResponseState,
-        fmt: ResponseFormat,
+        fmt: ResponseFormatter,
         progress: _Progress,
     ) -> AsyncIterator[str]:
         assert serving.streams is not None

@@ -16,7 +16,7 @@ from services.coordinator.stream.logprobs import (
 )
 
 
-class ResponseFormat(ABC):
+class ResponseFormatter(ABC):
     object_name: str
     chunk_object_name: str
 
@@ -66,7 +66,7 @@ class ResponseFormat(ABC):
         return body
 
 
-class ChatFormat(ResponseFormat):
+class ChatFormatter(ResponseFormatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
@@ -159,7 +159,7 @@ class ChatFormat(ResponseFormat):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
-class CompletionFormat(ResponseFormat):
+class CompletionFormatter(ResponseFormatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
