@@ -1,4 +1,4 @@
-"""The coordinator's text stage (`add_text`, fed by the retry loop): token ids in, text deltas
+"""The coordinator's text stage (`text_changes`, fed by the retry loop): token ids in, text deltas
 out, the reply cut at a stop string exactly where plain decoding would end it, and the
 backend's stream closed there, so the request is aborted on its replicas (no tokens wasted,
 every block back)."""
@@ -11,7 +11,7 @@ import contextlib
 from services.coordinator.attempt.retry import RetryLoop
 from services.coordinator.generation_backend import GenerationChunk, GenerationRequest, ModelInfo
 from services.coordinator.route.targets import RetryPolicy
-from services.coordinator.stream.text import add_text
+from services.coordinator.stream.text import text_changes
 from services.coordinator.stream.text_tracker import TextTracker
 from shared.sampling.logprob import TokenLogprob
 from shared.sampling.params import SamplingParams
@@ -48,7 +48,7 @@ def test_a_stop_string_inside_a_multi_token_chunk_cuts_it_there(real_tokenizer):
         num_output_tokens=7,  # two earlier tokens, then these five (accepted drafts)
     )
     tracker = TextTracker(IncrementalDetokenizer(real_tokenizer), (" thr",))
-    chunk = add_text(chunk, tracker)
+    chunk = chunk.with_changes(**text_changes(chunk, tracker))
     assert chunk.text == " one two"
     assert chunk.finished and chunk.finish_reason == "stop"
     assert chunk.token_ids == ids[:3]  # up to the token that completed " thr"
@@ -60,13 +60,13 @@ def test_a_stop_token_ends_the_reply_unshown_and_held_text_is_flushed(real_token
     one, two = _ids(real_tokenizer, [" one", " two"])
     tracker = TextTracker(IncrementalDetokenizer(real_tokenizer), (" one two three",))
     first = GenerationChunk(token_ids=[one], text="", num_output_tokens=1)
-    first = add_text(first, tracker)
+    first = first.with_changes(**text_changes(first, tracker))
     assert first.text == ""  # " one" may begin the stop string: held back
     # The backend stopped on a stop token (here a plain one, from `stop_token_ids`).
     last = GenerationChunk(
         token_ids=[two], text="", finished=True, finish_reason="stop", num_output_tokens=2
     )
-    last = add_text(last, tracker)
+    last = last.with_changes(**text_changes(last, tracker))
     assert last.text == " one"  # the held text, not the stop token's
     assert last.token_ids == [two] and last.num_output_tokens == 2
 

@@ -1,6 +1,6 @@
 """Token ids to text, in one place: every backend (and so every worker and the engine)
-streams token ids; the retry loop passes each chunk through `add_text` with the request's one
-tracker, which gives it its text delta and ends the reply at a stop string.
+streams token ids; the retry loop asks `text_changes` for each chunk's text delta, with the
+request's one tracker, and ends the reply at a stop string.
 
 A stop string ends the reply at the token that completed it: the chunk is cut there (token
 ids, logprobs, counters) and marked finished with reason "stop"; the loop then closes the
@@ -19,19 +19,12 @@ from services.coordinator.generation_backend import GenerationChunk
 from services.coordinator.stream.text_tracker import TextTracker
 
 
-def add_text(
-    chunk: GenerationChunk, tracker: TextTracker, stop_token_ids: Container[int] | None = None
-) -> GenerationChunk:
-    """The chunk with its text delta; cut at the token that completes a stop string.
-    `stop_token_ids`: the tokens a backend's "stop" hides (None: its last token, whatever)."""
-    return chunk.with_changes(**text_changes(chunk, tracker, stop_token_ids))
-
-
 def text_changes(
     chunk: GenerationChunk, tracker: TextTracker, stop_token_ids: Container[int] | None = None
 ) -> dict[str, Any]:
-    """What `add_text` changes in the chunk, for a caller that makes one copy of it with its
-    own changes too: `text`, and where a stop string completes inside the chunk, the cut."""
+    """What the chunk's text makes of it, for the caller's one copy of the chunk: `text` (its
+    delta), and where a stop string completes inside the chunk, the cut there.
+    `stop_token_ids`: the tokens a backend's "stop" hides (None: its last token, whatever)."""
     ids = chunk.token_ids
     stop_token = (
         chunk.finished
